@@ -1,0 +1,89 @@
+"""The attention backend interface: a cache spec, capabilities as data, a metadata builder and an impl.
+
+A backend is one file: subclass `AttentionBackend`, decorate it with `@register_backend("name")`,
+and list its module in `registry._BACKEND_MODULES` so it is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from attention_zoo.metadata import CommonAttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer needs from a backend and from the KV cache."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None  # a token attends to the last `sliding_window` positions
+    kind: str = "attention"  # "attention" | "mla" | "mamba": which family of backends serves it
+
+    def page_size_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one KV block of this layer (K and V)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * block_size * self.num_kv_heads * self.head_size * itemsize
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    devices: frozenset[str]  # device types: "cpu", "cuda"
+    dtypes: frozenset[torch.dtype]
+    kinds: frozenset[str] = frozenset({"attention"})
+    sliding_window: bool = False
+    cuda_graphs: bool = False
+
+    def missing(self, spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str | None:
+        """A sentence naming what this backend lacks for (spec, device, dtype), or None if it serves it."""
+        if spec.kind not in self.kinds:
+            return f"does not implement {spec.kind} layers"
+        if device.type not in self.devices:
+            return f"does not run on {device.type}"
+        if dtype not in self.dtypes:
+            return f"does not support dtype {dtype}"
+        if spec.sliding_window is not None and not self.sliding_window:
+            return "does not support sliding-window attention"
+        return None
+
+
+class AttentionImpl(ABC):
+    """Per-layer compute. `forward` writes this step's K/V into the cache, then attends."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # backend layout, see `AttentionBackend.kv_cache_shape`
+        metadata: Any,  # what `AttentionBackend.build_metadata` returned this step
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        ...
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    capabilities: ClassVar[BackendCapabilities]
+
+    @classmethod
+    @abstractmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, spec: AttentionSpec) -> tuple[int, ...]: ...
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
+        """Once per step, before the forward. Default: kernels read the common record directly."""
+        return common
+
+    @classmethod
+    @abstractmethod
+    def make_impl(cls, spec: AttentionSpec) -> AttentionImpl: ...

@@ -1,0 +1,61 @@
+"""The engine's configuration: one plain dataclass with vLLM's knob names. Hydra fills it from conf/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "float": torch.float32, "half": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny-llama"  # a checkpoint dir or a built-in name (research_lm.assets)
+    tokenizer: str | None = None  # defaults to the model dir
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda when present, else cpu
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int | None = None  # overrides the memory-derived KV budget
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "torch_ref"
+    trust_remote_code: bool = False
+    speculative_config: dict[str, Any] | None = None
+    cuda_graphs: bool = False
+    compile: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs (MoE/EPLB, Mamba, ...)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), got {self.num_gpu_blocks}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(str(checkpoint_dtype).removeprefix("torch."), torch.bfloat16)

@@ -1,0 +1,83 @@
+"""What flows between scheduler, runner and engine each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from research_lm.request import Logprob, Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, drafts included
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step (a suffix)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # running requests first, then newly admitted ones
+    finished_req_ids: set[str] = field(default_factory=set)  # left since last step: drop their rows
+    preempted_req_ids: set[str] = field(default_factory=set)  # preempted: drop rows, reset state
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]  # the scheduled requests, in batch order
+    # Tokens each request emits this step: [] for a prefill chunk that does not reach the end of
+    # the known tokens, [t] for plain decoding, up to k+1 for verified drafts.
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[dict[int, Logprob]]] | None = None  # per request, per emitted token
+    num_draft_tokens: list[int] | None = None  # drafts verified per request this step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for next step
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # why this request failed alone (e.g. prompt longer than max_model_len)

@@ -1,0 +1,76 @@
+"""A request's lifetime state, owned by the scheduler and read by the runner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from research_lm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # effective sampling seed: the params' seed, or one derived from the engine seed
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV (or state) is in the cache
+    num_cached_tokens: int = -1  # prefix-cache hits at first schedule; -1 = not yet scheduled
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    block_hashes: list[int] = field(default_factory=list)  # hash chain over full blocks
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id that ended it
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # Spec-decode accounting, per request.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]

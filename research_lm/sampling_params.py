@@ -1,0 +1,57 @@
+"""`SamplingParams`, with vLLM's field names and validation at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per output token (plus the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            ("n", self.n == 1, "must be 1 (parallel sampling is not supported)"),
+            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 or None"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0 or None"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative integers"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
