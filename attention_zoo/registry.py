@@ -13,7 +13,6 @@ from attention_zoo.base import AttentionBackend, AttentionSpec
 _BACKEND_MODULES: dict[str, str] = {
     "torch_ref": "attention_zoo.torch_ref",
     "triton": "attention_zoo.triton_attn",
-    "flashinfer": "attention_zoo.flashinfer_attn",
 }
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 

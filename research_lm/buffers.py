@@ -1,0 +1,49 @@
+"""Step input buffers, allocated once and sliced each step (CUDA graphs need fixed addresses)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class CpuGpuBuffer:
+    """A host buffer (numpy view `.np` over pinned `.cpu`) mirrored on the device (`.gpu`)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device):
+        pin = device.type == "cuda"
+        self.cpu = torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+        self.np = self.cpu.numpy()
+        self.gpu = self.cpu if device.type == "cpu" else torch.zeros(*shape, dtype=dtype, device=device)
+
+    def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
+        """Copy the first n rows host -> device (non-blocking from pinned memory); return that slice."""
+        if self.gpu is self.cpu:
+            return self.gpu if n is None else self.gpu[:n]
+        if n is None:
+            return self.gpu.copy_(self.cpu, non_blocking=True)
+        return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+
+
+class StepBuffers:
+    """Every per-step input of the forward, sized by max_num_batched_tokens / max_num_seqs."""
+
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+        self.max_num_tokens = max_num_tokens
+        self.max_num_reqs = max_num_reqs
+        self.input_ids = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)  # [T]
+        self.positions = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)  # [T]
+        self.slot_mapping = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)  # [T]
+        self.logits_indices = CpuGpuBuffer(max_num_tokens, dtype=torch.int64, device=device)  # [S]
+        self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, dtype=torch.int32, device=device)  # [R+1]
+        self.seq_lens = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
+        self.num_computed = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
+        self.request_rows = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
+        self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
+
+
+def slots_for_positions(
+    block_ids: np.ndarray,  # [num_blocks] int32, the request's block table
+    positions: np.ndarray,  # [n] int64
+    block_size: int,
+) -> np.ndarray:  # [n] int64: flat slot = block * block_size + offset
+    return block_ids[positions // block_size].astype(np.int64) * block_size + positions % block_size

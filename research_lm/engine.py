@@ -1,0 +1,190 @@
+"""The engine: requests in, `RequestOutput`s out; owns scheduler, KV cache manager and runner."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from research_lm.config import EngineConfig
+from research_lm.kv_cache import KVCacheManager
+from research_lm.memory import num_kv_blocks, profile_peak_activation_bytes
+from research_lm.metrics import EngineMetrics
+from research_lm.models.loader import load_model, load_tokenizer, resolve_model_path
+from research_lm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from research_lm.request import Request, RequestStatus
+from research_lm.rng import mix_seed
+from research_lm.runner import ModelRunner
+from research_lm.sampling_params import SamplingParams
+from research_lm.scheduler import Scheduler
+from research_lm.spec import build_proposer
+
+_SEED_STREAM = 7  # derives per-request seeds from the engine seed
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    vocab_size: int
+    eos_token_id: int | None
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device = config.resolve_device()
+        path = resolve_model_path(config.model)
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        dtype = config.resolve_dtype(getattr(hf_config, "dtype", None), device)
+        torch.manual_seed(config.seed)
+        self.model, self.hf_config = load_model(
+            path, device=device, dtype=dtype, attention_backend=config.attention_backend,
+            trust_remote_code=config.trust_remote_code, extra=config.extra,
+        )
+        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        max_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
+        self.info = ModelInfo(
+            path=str(path), vocab_size=self.hf_config.vocab_size, eos_token_id=self._eos_token_id(),
+            max_model_len=max_len, dtype=dtype, device=device,
+        )
+        proposer = None
+        if config.speculative_config:
+            proposer = build_proposer(dict(config.speculative_config), self)
+        self.runner = ModelRunner(
+            self.model, device=device, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
+            vocab_size=self.info.vocab_size, proposer=proposer,
+        )
+        self.num_blocks = self._size_kv_cache()
+        self.runner.allocate_kv_cache(self.num_blocks, dtype)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.metrics = EngineMetrics()
+        self._ids = itertools.count()
+        self._rejected: list[Request] = []  # failed validation: reported at the next step
+        self._prompt_text: dict[str, str] = {}  # request id -> the prompt string, when one was given
+
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list | tuple) else eos
+
+    def _size_kv_cache(self) -> int:
+        c, info = self.config, self.info
+        activation = 0
+        if info.device.type == "cuda" and c.num_gpu_blocks is None:
+            activation = profile_peak_activation_bytes(self._dummy_forward)
+        return num_kv_blocks(
+            page_size_bytes=self.runner.page_size_bytes(info.dtype), device=info.device,
+            gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks=c.num_gpu_blocks,
+            max_num_seqs=c.max_num_seqs, max_model_len=info.max_model_len, block_size=c.block_size,
+            activation_bytes=activation,
+        )
+
+    def _dummy_forward(self) -> None:
+        """One prefill of max_num_batched_tokens on a scratch cache, to measure peak activations."""
+        from research_lm.outputs import ScheduledRequest, SchedulerOutput
+
+        c = self.config
+        n = min(c.max_num_batched_tokens, self.info.max_model_len)
+        blocks = -(-n // c.block_size)
+        self.runner.allocate_kv_cache(blocks + 1, self.info.dtype)
+        req = Request("profile", [0] * n, SamplingParams(temperature=0.0, max_tokens=1), seed=0)
+        self.runner.execute(SchedulerOutput([ScheduledRequest(req, n, list(range(1, blocks + 1)))]))
+        self.runner.execute(SchedulerOutput([], finished_req_ids={"profile"}))
+        self.runner.allocate_kv_cache(0, self.info.dtype)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Queue one request. A request that fails validation is reported as an error output alone."""
+        index = next(self._ids)
+        seed = params.seed if params.seed is not None else mix_seed(self.config.seed, index, _SEED_STREAM)
+        req = Request(
+            request_id=request_id or str(index), prompt_token_ids=[], sampling_params=params, seed=seed,
+            eos_token_id=self.info.eos_token_id, arrival_time=time.perf_counter(),
+        )
+        if isinstance(prompt, str):
+            self._prompt_text[req.request_id] = prompt
+        try:
+            req.prompt_token_ids = self.tokenize(prompt)
+            self._validate_prompt(req.prompt_token_ids)
+        except ValueError as e:
+            req.status, req.finish_reason, req.error = RequestStatus.FINISHED, "error", str(e)
+            req.finish_time = req.arrival_time
+            self._rejected.append(req)
+            return req
+        self.scheduler.add_request(req)
+        return req
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.info.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, longer than max_model_len={self.info.max_model_len}"
+            )
+        bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.info.vocab_size})")
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, update requests; return the requests that finished."""
+        finished, self._rejected = self._rejected, []
+        if self.scheduler.has_unfinished_requests():
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            out = self.runner.execute(sched)
+            finished += self.scheduler.update_from_output(sched, out)
+            self.metrics.record_step(sched, out, self.scheduler.stats(), time.perf_counter() - t0)
+        outputs = [self.make_output(r) for r in finished]
+        self.metrics.record_finished(outputs)
+        return outputs
+
+    def make_output(self, req: Request) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None and req.output_token_ids:
+            skip = req.sampling_params.skip_special_tokens
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=skip)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=req.output_logprobs if req.sampling_params.logprobs is not None else None,
+        )
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+            finish_time=req.finish_time, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_preemptions=req.num_preemptions, num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
+        )
+        return RequestOutput(
+            request_id=req.request_id, prompt=self._prompt_text.pop(req.request_id, None),
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion], finished=True, metrics=metrics, error=req.error,
+        )

@@ -1,0 +1,68 @@
+"""`LLM`: the offline batch API, with vLLM's names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from research_lm.config import EngineConfig
+from research_lm.engine import LLMEngine
+from research_lm.outputs import RequestOutput
+from research_lm.sampling_params import SamplingParams
+
+_KNOBS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """`LLM(model="tiny-llama", dtype="float32", block_size=16, ...)`; every knob is an `EngineConfig` field."""
+
+    def __init__(self, model: str = "tiny-llama", **kwargs: Any):
+        unknown = sorted(set(kwargs) - _KNOBS)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s) {unknown}; valid ones: {sorted(_KNOBS - {'model'})}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs come back in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
+            )
+        order = {}
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            order[self.engine.add_request(prompt, params).request_id] = i
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        return results  # type: ignore[return-value]
+
+
+def _as_prompt_list(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return [p if isinstance(p, str) else list(p) for p in prompts]

@@ -1,0 +1,224 @@
+"""The model runner: the thin orchestrator every ablation shares.
+
+One step = update rows → prepare inputs → attention metadata → forward → sample or verify → propose.
+Each stage lives in a sibling module and enters here in one line; keep it that way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attention_zoo import Attention, CommonAttentionMetadata
+from research_lm.buffers import StepBuffers, slots_for_positions
+from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from research_lm.request import Logprob
+from research_lm.sampler import Sampler, SamplingBatch, SamplingRow, compute_probs
+from research_lm.spec import Proposal, Proposer, StepOutcome, load_rejection_sampler
+
+
+class RequestRows:
+    """Stable row per live request in the persistent state tables (block table, Mamba state slots)."""
+
+    def __init__(self, max_num_reqs: int):
+        self.free = list(range(max_num_reqs - 1, -1, -1))
+        self.row_of: dict[str, int] = {}
+
+    def add(self, req_id: str) -> int:
+        if req_id not in self.row_of:
+            self.row_of[req_id] = self.free.pop()
+        return self.row_of[req_id]
+
+    def remove(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            row = self.row_of.pop(req_id, None)
+            if row is not None:
+                self.free.append(row)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: torch.device,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        vocab_size: int,
+        proposer: Proposer | None = None,
+    ):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.proposer = proposer
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.backends = list({layer.backend.name: layer.backend for layer in self.attn_layers}.values())
+        max_blocks_per_req = -(-max_model_len // block_size)
+        self.buffers = StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_req, device)
+        self.rows = RequestRows(max_num_seqs)
+        self.sampler = Sampler()
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] q of pending drafts
+        if proposer is not None and proposer.aux_hidden_state_layers:
+            model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
+
+    # ---- KV cache -------------------------------------------------------------------------------
+    def page_size_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one KV block costs summed over all layers."""
+        return sum(layer.spec.page_size_bytes(self.block_size, dtype) for layer in self.attn_layers)
+
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        for layer in self.attn_layers:
+            shape = layer.backend.kv_cache_shape(num_blocks, self.block_size, layer.spec)
+            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    # ---- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        gone = sched.finished_req_ids | sched.preempted_req_ids
+        self.rows.remove(gone)
+        for req_id in gone:
+            self.draft_probs.pop(req_id, None)
+        if self.proposer is not None and gone:
+            self.proposer.on_requests_removed(gone)
+        if not sched.scheduled:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+
+        common, sample_rows = self._prepare_inputs(sched.scheduled)
+        attn_metadata = {b.name: b.build_metadata(common) for b in self.backends}
+        input_ids = self.buffers.input_ids.gpu[: common.num_tokens]
+        positions = self.buffers.positions.gpu[: common.num_tokens]
+        out = self.model(input_ids, positions, attn_metadata)
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
+
+        logits_indices = self.buffers.logits_indices.copy_to_gpu(len(sample_rows))
+        logits = self.model.compute_logits(hidden[logits_indices])  # [num_sample_rows, vocab]
+        emitted, logprobs, num_rejected = self._sample_or_verify(sched.scheduled, sample_rows, logits)
+
+        output = RunnerOutput(
+            req_ids=[s.request.request_id for s in sched.scheduled],
+            sampled_token_ids=emitted,
+            logprobs=logprobs,
+            num_draft_tokens=[len(s.spec_token_ids) for s in sched.scheduled],
+        )
+        if self.proposer is not None:
+            outcome = StepOutcome(
+                requests=[s.request for s in sched.scheduled], emitted=emitted, input_ids=input_ids,
+                positions=positions, query_start_loc_cpu=common.query_start_loc_cpu,
+                hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected,
+            )
+            proposal: Proposal = self.proposer.propose(outcome)
+            output.draft_token_ids = proposal.token_ids
+            self.draft_probs.update(proposal.probs)
+        return output
+
+    def _prepare_inputs(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[CommonAttentionMetadata, list[tuple[int, int]]]:
+        """Fill the step buffers; return the attention record and (request index, draft offset) per
+        row to sample: one row for a decode, k+1 for verified drafts, none for a mid-prompt chunk."""
+        buf, bs = self.buffers, self.block_size
+        num_reqs = len(scheduled)
+        sample_rows: list[tuple[int, int]] = []
+        logits_idx: list[int] = []
+        t = max_blocks = 0
+        buf.query_start_loc.np[0] = 0
+        for i, s in enumerate(scheduled):
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            num_real = n - len(s.spec_token_ids)
+            tokens = req.all_token_ids[start : start + num_real] + s.spec_token_ids
+            positions = np.arange(start, start + n)
+            block_ids = np.asarray(s.block_ids, dtype=np.int32)
+            row = self.rows.add(req.request_id)
+            buf.input_ids.np[t : t + n] = tokens
+            buf.positions.np[t : t + n] = positions
+            buf.slot_mapping.np[t : t + n] = slots_for_positions(block_ids, positions, bs)
+            buf.block_table.np[i, : len(block_ids)] = block_ids
+            max_blocks = max(max_blocks, len(block_ids))
+            buf.query_start_loc.np[i + 1] = t + n
+            buf.seq_lens.np[i] = start + n
+            buf.num_computed.np[i] = start
+            buf.request_rows.np[i] = row
+            if start + num_real >= req.num_tokens:  # the chunk reaches the newest token: sample
+                for j in range(len(s.spec_token_ids) + 1):
+                    sample_rows.append((i, j))
+                    logits_idx.append(t + num_real - 1 + j)
+            t += n
+        buf.logits_indices.np[: len(logits_idx)] = logits_idx
+        common = CommonAttentionMetadata(
+            query_start_loc=buf.query_start_loc.copy_to_gpu(num_reqs + 1),
+            query_start_loc_cpu=buf.query_start_loc.cpu[: num_reqs + 1],
+            seq_lens=buf.seq_lens.copy_to_gpu(num_reqs),
+            seq_lens_cpu=buf.seq_lens.cpu[:num_reqs],
+            num_computed_tokens_cpu=buf.num_computed.cpu[:num_reqs],
+            block_table=self._copy_block_table(num_reqs, max_blocks),
+            slot_mapping=buf.slot_mapping.copy_to_gpu(t),
+            request_rows=buf.request_rows.copy_to_gpu(num_reqs),
+            num_reqs=num_reqs,
+            num_tokens=t,
+            max_query_len=max(s.num_new_tokens for s in scheduled),
+            max_seq_len=int(buf.seq_lens.np[:num_reqs].max()),
+            block_size=bs,
+        )
+        buf.input_ids.copy_to_gpu(t)
+        buf.positions.copy_to_gpu(t)
+        return common, sample_rows
+
+    def _sample_or_verify(
+        self,
+        scheduled: list[ScheduledRequest],
+        sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
+        logits: torch.Tensor,  # [num_sample_rows, vocab]
+    ) -> tuple[list[list[int]], list[list[dict[int, Logprob]]] | None, list[int]]:
+        """Tokens emitted per request (and their logprobs), and how many drafts each rejected."""
+        rows = [
+            SamplingRow(scheduled[i].request, None if j == 0 else
+                        scheduled[i].request.output_token_ids + scheduled[i].spec_token_ids[:j])
+            for i, j in sample_rows
+        ]
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
+        emitted: list[list[int]] = [[] for _ in scheduled]
+        num_rejected = [0] * len(scheduled)
+        if not any(s.spec_token_ids for s in scheduled):
+            out = self.sampler(logits, batch)
+            for (i, _), token in zip(sample_rows, out.token_ids.tolist(), strict=True):
+                emitted[i] = [token]
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = [[] for _ in scheduled]
+                for (i, _), lp in zip(sample_rows, out.logprob_dicts(batch), strict=True):
+                    logprobs[i] = [lp] if lp is not None else []
+            return emitted, logprobs, num_rejected
+        return self._verify(scheduled, sample_rows, logits, batch)
+
+    def _verify(self, scheduled, sample_rows, logits, batch):
+        """Rejection-sample the drafts of every request that emits this step (vLLM's [B, k+1] rule)."""
+        rejection_sample = load_rejection_sampler()
+        reqs = sorted({i for i, _ in sample_rows})
+        drafts = [scheduled[i].spec_token_ids for i in reqs]
+        q = [self.draft_probs.pop(scheduled[i].request.request_id, None) for i in reqs]
+        draft_probs = None
+        if any(x is not None for x in q) and all(x is not None for x, d in zip(q, drafts) if d):
+            draft_probs = torch.cat([x[: len(d)] for x, d in zip(q, drafts) if d])
+        tokens = rejection_sample(
+            drafts, compute_probs(logits, batch), draft_probs,
+            torch.tensor([scheduled[i].request.sampling_params.greedy for i in reqs]),
+            [scheduled[i].request.seed for i in reqs],
+            [scheduled[i].request.num_output_tokens for i in reqs],
+        ).tolist()
+        emitted: list[list[int]] = [[] for _ in scheduled]
+        num_rejected = [0] * len(scheduled)
+        for i, row in zip(reqs, tokens, strict=True):
+            emitted[i] = [t for t in row if t != -1]
+            num_rejected[i] = len(scheduled[i].spec_token_ids) + 1 - len(emitted[i])
+        return emitted, None, num_rejected
+
+    def _copy_block_table(self, num_reqs: int, num_cols: int) -> torch.Tensor:
+        """Copy only the live corner of the block table; kernels read rows through their stride."""
+        bt = self.buffers.block_table
+        if bt.gpu is not bt.cpu:
+            bt.gpu[:num_reqs, :num_cols].copy_(bt.cpu[:num_reqs, :num_cols], non_blocking=True)
+        return bt.gpu[:num_reqs]

@@ -1,0 +1,75 @@
+"""The runner's view of speculative decoding: a proposer protocol and a registry spec_decode fills.
+
+The runner knows nothing about ngram tables or EAGLE heads; it hands each step's outcome to the
+proposer and verifies what comes back next step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from research_lm.request import Request
+
+
+@dataclass
+class StepOutcome:
+    """What the target produced this step, for the proposer to draft from."""
+
+    requests: list[Request]  # scheduled requests in batch order
+    emitted: list[list[int]]  # tokens each request emitted this step (already appended? no: pending)
+    input_ids: torch.Tensor  # [num_tokens] the flat batch fed to the target
+    positions: torch.Tensor  # [num_tokens]
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
+    hidden_states: torch.Tensor | None  # [num_tokens, hidden] the target's final hidden states
+    aux_hidden_states: list[torch.Tensor] | None  # per aux layer, [num_tokens, hidden]
+    num_rejected: list[int]  # drafts rejected per request this step (their KV slots are stale)
+
+
+@dataclass
+class Proposal:
+    token_ids: dict[str, list[int]]  # request id -> drafts for its next step (may be empty)
+    probs: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [k, vocab] q, if any
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int
+    # Target layers whose input residual streams the proposer consumes (EAGLE-3); () for none.
+    aux_hidden_state_layers: tuple[int, ...]
+
+    def propose(self, outcome: StepOutcome) -> Proposal: ...
+
+    def on_requests_removed(self, req_ids: set[str]) -> None:
+        """Finished or preempted: drop any per-request drafter state."""
+
+
+# method name -> "module:factory". A factory takes (speculative_config: dict, target: Any) and returns a Proposer.
+_PROPOSER_MODULES: dict[str, str] = {
+    "ngram": "spec_decode.ngram:build_proposer",
+    "draft_model": "spec_decode.draft_model:build_proposer",
+    "eagle": "spec_decode.eagle:build_eagle_proposer",
+    "eagle3": "spec_decode.eagle:build_eagle3_proposer",
+    "medusa": "spec_decode.medusa:build_proposer",
+}
+
+
+def build_proposer(speculative_config: dict[str, Any], target: Any) -> Proposer:
+    method = speculative_config.get("method")
+    if method not in _PROPOSER_MODULES:
+        raise ValueError(f"unknown speculative method {method!r}; choose one of {sorted(_PROPOSER_MODULES)}")
+    module_name, factory = _PROPOSER_MODULES[method].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"speculative method {method!r} is not available in this build: {e}") from e
+    return getattr(module, factory)(speculative_config, target)
+
+
+def load_rejection_sampler():
+    """spec_decode's `rejection_sample`, imported only when some request carries drafts."""
+    from spec_decode.rejection_sampler import rejection_sample
+
+    return rejection_sample
