@@ -34,7 +34,7 @@ class EngineMetrics:
         self.start_time = time.perf_counter()
         self.num_prompt_tokens_computed = self.num_output_tokens = 0
 
-    def record_step(self, sched: SchedulerOutput, out: RunnerOutput, stats: dict[str, Any], seconds: float) -> None:
+    def record_step(self, sched: SchedulerOutput, out: RunnerOutput, stats: Any, seconds: float) -> None:
         emitted = sum(len(t) for t in out.sampled_token_ids)
         self.num_output_tokens += emitted
         self.num_prompt_tokens_computed += sched.num_scheduled_tokens - emitted
@@ -46,7 +46,7 @@ class EngineMetrics:
             "num_reqs": len(sched.scheduled),
             "num_output_tokens": emitted,
             "num_draft_tokens": drafts,
-            **stats,
+            **vars(stats),
         })
 
     def record_finished(self, outputs: list[RequestOutput]) -> None:

@@ -1,0 +1,480 @@
+"""Token sampling: vLLM V1 logit processing, counter-based random draws, raw-distribution logprobs.
+
+A *row* is "sample the token at output position p of this request". A request usually has one
+row per step; when drafts are verified it has k+1 consecutive rows (positions p .. p+k), the later
+rows seeing the drafts as extra output history (penalties, min_tokens). The rejection sampler
+(spec_decode) builds its `SamplingBatch` from those rows and reuses `process_logits` /
+`compute_probs` / `random_sample` / `gather_logprobs`, so verified and plain decoding process the
+logits identically.
+
+Order of processing (vLLM V1's `Sampler.forward`):
+
+    raw logprobs = log_softmax(logits)            (returned logprobs: the model's distribution)
+    min_tokens -> penalties                       (change greedy results too)
+    temperature -> min_p -> top-k / top-p         (random rows only; greedy rows are untouched)
+    greedy rows: argmax;  random rows: argmax(probs / q), q ~ Exp(1) from rng (exponential race)
+
+Every random draw comes from `rng.exponential_rows(seed, position, stream)`, so a row's token
+depends only on its own logits, params, seed and position: never on the batch around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from research_lm import rng
+from research_lm.request import Logprob, Request
+from research_lm.sampling_params import _GREEDY_EPS
+
+__all__ = [
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingBatch",
+    "SamplingRow",
+    "apply_min_p",
+    "apply_min_tokens",
+    "apply_penalties",
+    "apply_temperature",
+    "apply_top_k_top_p",
+    "compute_probs",
+    "gather_logprobs",
+    "logprobs_to_dicts",
+    "probs_from_processed",
+    "process_logits",
+    "random_sample",
+    "sample_tokens",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows and the per-step batch
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingRow:
+    """Sample the token at output position `len(outputs)` of `request`."""
+
+    request: Request
+    # The request's outputs before this position; None: `request.output_token_ids` (plain decode).
+    output_token_ids: list[int] | None = None
+
+    @property
+    def outputs(self) -> list[int]:
+        return self.request.output_token_ids if self.output_token_ids is None else self.output_token_ids
+
+    @property
+    def position(self) -> int:
+        return len(self.outputs)
+
+    @classmethod
+    def verify(cls, request: Request, draft_token_ids: Sequence[int]) -> list[SamplingRow]:
+        """The k+1 rows that verify k drafts: positions p .. p+k, row j seeing drafts[:j] as output."""
+        out = list(request.output_token_ids)
+        rows = [cls(request)]
+        for t in draft_token_ids:
+            out = out + [int(t)]
+            rows.append(cls(request, out))
+        return rows
+
+
+RowLike = Request | SamplingRow | tuple[Request, list[int] | None]
+
+
+def _as_row(row: RowLike) -> SamplingRow:
+    if isinstance(row, SamplingRow):
+        return row
+    if isinstance(row, Request):
+        return SamplingRow(row)
+    request, outputs = row
+    return SamplingRow(request, None if outputs is None else list(outputs))
+
+
+def _token_index(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:  # [sum(len)] int64: row * V + token, flat indices into a [rows, V] tensor
+    lengths = [len(t) for t in token_lists]
+    # np.fromiter is ~10x faster than torch.tensor on a long Python list.
+    flat = torch.from_numpy(np.fromiter(chain.from_iterable(token_lists), np.int64, sum(lengths)))
+    row = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor(lengths, dtype=torch.int64))
+    return (row * vocab_size + flat).to(device)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, built once per step by `SamplingBatch.build`.
+
+    Greedy rows carry neutral values for temperature / top-k / top-p / min-p (1, V, 1, 0), so the
+    processing functions can run over the whole batch without branching per row.
+    """
+
+    vocab_size: int
+    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows
+    top_k: torch.Tensor  # [R] int64; V where disabled (and on greedy rows)
+    top_p: torch.Tensor  # [R] float32; 1.0 where disabled
+    min_p: torch.Tensor  # [R] float32; 0.0 where disabled
+    presence_penalty: torch.Tensor  # [R] float32
+    frequency_penalty: torch.Tensor  # [R] float32
+    repetition_penalty: torch.Tensor  # [R] float32
+    greedy_mask: torch.Tensor  # [R] bool
+    seeds: list[int]  # [R] request.seed
+    positions: list[int]  # [R] output index being sampled
+    random_rows: list[int]  # indices of non-greedy rows
+    num_logprobs: list[int | None]  # [R] the request's `logprobs` (None: none asked)
+    max_num_logprobs: int | None  # max over rows; None when no row asks
+    all_greedy: bool
+    all_random: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    # Penalty state; None when no row needs it (fast path).
+    output_counts: torch.Tensor | None  # [R, V] float32: occurrences among the row's outputs
+    seen_mask: torch.Tensor | None  # [R, V] bool: token in the row's prompt or outputs
+    # min_tokens: (row, token) pairs to ban; None when no row is below its min_tokens.
+    banned_rows: torch.Tensor | None  # [N] int64
+    banned_token_ids: torch.Tensor | None  # [N] int64
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_counts is None and self.seen_mask is None
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[RowLike], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> SamplingBatch:
+        """rows: `Request` (its next token), `SamplingRow`, or `(request, outputs_before)`."""
+        device = torch.device(device)
+        V = vocab_size
+        rs = [_as_row(r) for r in rows]
+        params = [r.request.sampling_params for r in rs]
+        greedy = [sp.greedy for sp in params]
+
+        temperature = [1.0 if g else sp.temperature for g, sp in zip(greedy, params)]
+        top_k = [V if g or sp.top_k <= 0 or sp.top_k >= V else sp.top_k for g, sp in zip(greedy, params)]
+        top_p = [1.0 if g else sp.top_p for g, sp in zip(greedy, params)]
+        min_p = [0.0 if g else sp.min_p for g, sp in zip(greedy, params)]
+
+        # Penalties: build only the state some row uses, and only from the rows that use it.
+        use_count = [sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 for sp in params]
+        use_seen = [sp.repetition_penalty != 1.0 for sp in params]
+        output_counts = seen_mask = None
+        if any(use_count):
+            idx = _token_index([r.outputs if u else [] for r, u in zip(rs, use_count)], V, device)
+            output_counts = torch.zeros(len(rs) * V, dtype=torch.float32, device=device)
+            # Small integer sums are exact in float32, so the atomic add order does not matter.
+            output_counts = output_counts.index_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))
+            output_counts = output_counts.view(len(rs), V)
+        if any(use_seen):
+            lists = [r.request.prompt_token_ids + r.outputs if u else [] for r, u in zip(rs, use_seen)]
+            seen_mask = torch.zeros(len(rs) * V, dtype=torch.bool, device=device)
+            seen_mask[_token_index(lists, V, device)] = True
+            seen_mask = seen_mask.view(len(rs), V)
+
+        # min_tokens: ban the stop ids (and EOS unless ignore_eos) while outputs < min_tokens.
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for i, (r, sp) in enumerate(zip(rs, params)):
+            if r.position >= sp.min_tokens:
+                continue
+            ids = set(sp.stop_token_ids)
+            if not sp.ignore_eos and r.request.eos_token_id is not None:
+                ids.add(r.request.eos_token_id)
+            ids = sorted(t for t in ids if 0 <= t < V)
+            banned_rows += [i] * len(ids)
+            banned_ids += ids
+
+        asked = [sp.logprobs for sp in params if sp.logprobs is not None]
+
+        def f32(x: list[float]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.float32, device=device)
+
+        def i64(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            vocab_size=V,
+            temperature=f32(temperature),
+            top_k=i64(top_k),
+            top_p=f32(top_p),
+            min_p=f32(min_p),
+            presence_penalty=f32([sp.presence_penalty for sp in params]),
+            frequency_penalty=f32([sp.frequency_penalty for sp in params]),
+            repetition_penalty=f32([sp.repetition_penalty for sp in params]),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seeds=[r.request.seed for r in rs],
+            positions=[r.position for r in rs],
+            random_rows=[i for i, g in enumerate(greedy) if not g],
+            num_logprobs=[sp.logprobs for sp in params],
+            max_num_logprobs=max(asked) if asked else None,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_top_k=all(k >= V for k in top_k),
+            no_top_p=all(p >= 1.0 for p in top_p),
+            no_min_p=all(p <= 0.0 for p in min_p),
+            output_counts=output_counts,
+            seen_mask=seen_mask,
+            banned_rows=i64(banned_rows) if banned_rows else None,
+            banned_token_ids=i64(banned_ids) if banned_ids else None,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Logit processing: small pure functions (inputs are never modified)
+# ----------------------------------------------------------------------------------------------
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,  # [R, V] float32
+    banned_rows: torch.Tensor | None,  # [N] int64
+    banned_token_ids: torch.Tensor | None,  # [N] int64
+) -> torch.Tensor:  # [R, V]
+    """logits[banned_rows[n], banned_token_ids[n]] = -inf."""
+    if banned_rows is None or banned_token_ids is None:
+        return logits
+    logits = logits.clone()
+    logits[banned_rows, banned_token_ids] = float("-inf")
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [R, V] float32
+    output_counts: torch.Tensor | None,  # [R, V] float32 counts over outputs; None: no presence/freq
+    seen_mask: torch.Tensor | None,  # [R, V] bool, seen in prompt or outputs; None: no repetition
+    presence_penalty: torch.Tensor,  # [R] float32
+    frequency_penalty: torch.Tensor,  # [R] float32
+    repetition_penalty: torch.Tensor,  # [R] float32
+) -> torch.Tensor:  # [R, V]
+    """vLLM's penalties, in this order:
+
+        repetition (tokens seen in prompt or outputs):  l = l / r if l > 0 else l * r
+        frequency:  l -= f * count(outputs)
+        presence:   l -= p * [count(outputs) > 0]
+    """
+    if seen_mask is not None:
+        r = torch.where(seen_mask, repetition_penalty[:, None], 1.0)  # [R, V]
+        logits = torch.where(logits > 0, logits / r, logits * r)
+    if output_counts is not None:
+        logits = logits - frequency_penalty[:, None] * output_counts
+        logits = logits - presence_penalty[:, None] * (output_counts > 0).float()
+    return logits
+
+
+def apply_temperature(
+    logits: torch.Tensor,  # [R, V] float32
+    temperature: torch.Tensor,  # [R] float32
+) -> torch.Tensor:  # [R, V]
+    """l / T; rows with T < 1e-5 (greedy) are left untouched."""
+    t = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
+    return logits / t[:, None]
+
+
+def apply_min_p(
+    logits: torch.Tensor,  # [R, V] float32
+    min_p: torch.Tensor,  # [R] float32 in [0, 1]; 0 disables
+) -> torch.Tensor:  # [R, V]
+    """Drop tokens with prob < min_p * max prob.
+
+    In logit space (no softmax): p_i / p_max = exp(l_i - l_max), so drop l_i < l_max + log(min_p).
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]  # [R, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [R, V] float32
+    top_k: torch.Tensor | None,  # [R] int64; <= 0 or >= V disables; None: no row uses top-k
+    top_p: torch.Tensor | None,  # [R] float32 in (0, 1]; 1 disables; None: no row uses top-p
+) -> torch.Tensor:  # [R, V]
+    """Top-k, then top-p on the top-k-renormalised distribution (vLLM's order).
+
+    top-k keeps the k largest logits; top-p keeps the smallest descending prefix whose cumulative
+    probability is >= p (so always at least one token). Both reduce to a per-row logit threshold,
+    and every token at or above it is kept: a tie at the boundary keeps all the tied tokens, so the
+    result never depends on how the sort orders equal values.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    V = logits.shape[-1]
+    sorted_logits = logits.sort(dim=-1, descending=True).values  # [R, V]
+    threshold = torch.full_like(logits[:, :1], float("-inf"))  # [R, 1]
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > V), V, top_k)  # [R]
+        threshold = sorted_logits.gather(1, (k - 1)[:, None])  # [R, 1]: the k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)  # [R, V]
+        cum = probs.cumsum(dim=-1)
+        cum_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass ahead of i
+        # Keep i while the tokens before it hold < p; p = 1 keeps everything despite rounding.
+        keep = (cum_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # [R, V], a prefix
+        last = keep.sum(dim=-1, keepdim=True).clamp(min=1) - 1  # [R, 1]
+        threshold = torch.maximum(threshold, sorted_logits.gather(1, last))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def process_logits(
+    logits: torch.Tensor,  # [R, V] raw model logits (any float dtype)
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [R, V] float32, processed
+    """min_tokens -> penalties -> temperature -> min_p -> top-k/top-p (vLLM V1's order)."""
+    logits = logits.float()
+    logits = apply_min_tokens(logits, batch.banned_rows, batch.banned_token_ids)
+    if not batch.no_penalties:
+        logits = apply_penalties(logits, batch.output_counts, batch.seen_mask, batch.presence_penalty,
+                                 batch.frequency_penalty, batch.repetition_penalty)
+    if batch.all_greedy:
+        return logits  # the rest is argmax-invariant
+    logits = apply_temperature(logits, batch.temperature)
+    if not batch.no_min_p:
+        logits = apply_min_p(logits, batch.min_p)
+    return apply_top_k_top_p(logits, None if batch.no_top_k else batch.top_k,
+                             None if batch.no_top_p else batch.top_p)
+
+
+def probs_from_processed(
+    processed: torch.Tensor,  # [R, V] float32, from process_logits
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [R, V] float32
+    """softmax(processed); greedy rows are one-hot on argmax (first index on ties)."""
+    probs = processed.softmax(dim=-1)
+    if not batch.all_random:
+        one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(batch.greedy_mask[:, None], one_hot, probs)
+    return probs
+
+
+def compute_probs(
+    logits: torch.Tensor,  # [R, V] raw model logits
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [R, V] float32
+    """The distribution each row samples from (the target p of rejection sampling)."""
+    return probs_from_processed(process_logits(logits, batch), batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------
+
+
+def random_sample(
+    probs: torch.Tensor,  # [N, V] float32
+    seeds: list[int],  # [N]
+    positions: list[int],  # [N]
+    stream: int = rng.SAMPLE,
+) -> torch.Tensor:  # [N] int64
+    """Exponential race: argmax_i p_i / q_i with q_i ~ Exp(1) is distributed as p.
+
+    q comes from (seed, position, stream) alone, so each row's draw is batch-independent.
+    """
+    q = rng.exponential_rows(seeds, positions, stream, probs.shape[-1], probs.device)  # [N, V]
+    # NOTE: q == 0 would make 0 / 0 = nan, which argmax picks; clamp so masked tokens stay at 0.
+    return (probs / q.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def sample_tokens(
+    processed: torch.Tensor,  # [R, V] float32, from process_logits
+    batch: SamplingBatch,
+) -> torch.Tensor:  # [R] int64
+    """Greedy rows: argmax; random rows: `random_sample` of softmax(processed)."""
+    if batch.all_greedy:
+        return processed.argmax(dim=-1)
+    if batch.all_random:
+        return random_sample(processed.softmax(dim=-1), batch.seeds, batch.positions)
+    tokens = processed.argmax(dim=-1)  # [R]
+    idx = batch.random_rows
+    idx_t = torch.tensor(idx, dtype=torch.int64, device=processed.device)
+    probs = processed[idx_t].softmax(dim=-1)  # [N, V]
+    drawn = random_sample(probs, [batch.seeds[i] for i in idx], [batch.positions[i] for i in idx])
+    return tokens.index_copy(0, idx_t, drawn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logprobs (of the raw model distribution, vLLM's default `raw_logprobs`)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LogprobsTensors:
+    """Rank = 1 + number of tokens with a strictly larger logprob (ties share a rank)."""
+
+    sampled_logprobs: torch.Tensor  # [R] float32
+    sampled_ranks: torch.Tensor  # [R] int64
+    topk_ids: torch.Tensor  # [R, n] int64, most likely first
+    topk_logprobs: torch.Tensor  # [R, n] float32
+    topk_ranks: torch.Tensor  # [R, n] int64
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor,  # [R, V] float32, log_softmax of raw logits
+    token_ids: torch.Tensor,  # [R] int64, the emitted tokens
+    num_logprobs: int,  # n: top entries per row (>= 0)
+) -> LogprobsTensors:
+    token_lp = logprobs.gather(1, token_ids[:, None])  # [R, 1]
+    ranks = (logprobs > token_lp).sum(dim=-1) + 1  # [R]
+    n = min(num_logprobs, logprobs.shape[-1])
+    top_lp, top_ids = logprobs.topk(n, dim=-1)  # [R, n], sorted descending
+    # Every token above a top-n entry is itself in the top n, so ranks need only the top n.
+    top_ranks = (top_lp[:, None, :] > top_lp[:, :, None]).sum(dim=-1) + 1  # [R, n]
+    return LogprobsTensors(token_lp[:, 0], ranks, top_ids, top_lp, top_ranks)
+
+
+def logprobs_to_dicts(
+    logprobs: LogprobsTensors,
+    token_ids: torch.Tensor,  # [R] int64
+    num_logprobs: Sequence[int | None],  # [R] per-row n; None: the row asked for none
+) -> list[dict[int, Logprob] | None]:
+    """Per row: {sampled token, then its top-n tokens: Logprob}; None for rows that asked for none."""
+    tok = token_ids.tolist()
+    s_lp, s_rank = logprobs.sampled_logprobs.tolist(), logprobs.sampled_ranks.tolist()
+    t_ids, t_lp = logprobs.topk_ids.tolist(), logprobs.topk_logprobs.tolist()
+    t_rank = logprobs.topk_ranks.tolist()
+    out: list[dict[int, Logprob] | None] = []
+    for i, n in enumerate(num_logprobs):
+        if n is None:
+            out.append(None)
+            continue
+        d = {tok[i]: Logprob(s_lp[i], s_rank[i])}
+        for t, lp, rk in zip(t_ids[i][:n], t_lp[i][:n], t_rank[i][:n]):
+            d.setdefault(t, Logprob(lp, rk))
+        out.append(d)
+    return out
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [R] int64
+    logprobs: LogprobsTensors | None = None  # when some row asked for logprobs
+
+    def logprob_dicts(self, batch: SamplingBatch) -> list[dict[int, Logprob] | None]:
+        """Per row: top-n plus the sampled token; None where the row asked for none (or none did)."""
+        if self.logprobs is None:
+            return [None] * len(batch.num_logprobs)
+        return logprobs_to_dicts(self.logprobs, self.token_ids, batch.num_logprobs)
+
+
+class Sampler:
+    """logits [R, V] -> one token per row (+ raw logprobs when asked). Stateless."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [R, V] float32 (other float dtypes are upcast)
+        batch: SamplingBatch,
+    ) -> SamplerOutput:
+        raw_logprobs = None
+        if batch.max_num_logprobs is not None:
+            raw_logprobs = logits.float().log_softmax(dim=-1)  # [R, V]
+        token_ids = sample_tokens(process_logits(logits, batch), batch)
+        lp = None
+        if raw_logprobs is not None:
+            lp = gather_logprobs(raw_logprobs, token_ids, batch.max_num_logprobs)
+        return SamplerOutput(token_ids, lp)
