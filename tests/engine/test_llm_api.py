@@ -1,0 +1,95 @@
+"""The `LLM` surface: strings or ids in, vLLM-shaped outputs back, failures isolated per request."""
+
+from __future__ import annotations
+
+import pytest
+
+from research_lm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", device="cpu", max_model_len=128, seed=1)
+
+
+def test_strings_in_text_out(llm):
+    outs = llm.generate(["def add(a, b):", "import os\n"], SamplingParams(temperature=0, max_tokens=6),
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == ["def add(a, b):", "import os\n"]
+    for o in outs:
+        assert o.prompt_token_ids == llm.get_tokenizer().encode(o.prompt)
+        assert 1 <= len(o.outputs[0].token_ids) <= 6
+        assert o.outputs[0].text == llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True)
+        assert o.outputs[0].finish_reason in {"stop", "length"}
+        assert o.metrics.time_to_first_token is not None and o.metrics.time_to_first_token >= 0
+
+
+def test_one_params_per_prompt_and_order_kept(llm):
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 4, 7)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 4, 7]
+    assert outs[2].metrics.time_per_output_token is not None
+
+
+def test_too_long_prompt_fails_alone(llm):
+    prompts = [[1] * 200, [5, 6, 7], [9] * 10]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "max_model_len=128" in outs[0].error
+    assert [len(o.outputs[0].token_ids) for o in outs[1:]] == [3, 3]
+    assert all(o.error is None for o in outs[1:])
+
+
+def test_max_model_len_stops_generation(llm):
+    out = llm.generate([[3] * 120], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 128
+
+
+def test_stop_token_ids(llm):
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.token_ids[3]
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                   stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    first = free.token_ids.index(stop)
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=1234, ignore_eos=True)
+    alone = llm.generate([[10, 11, 12]], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True)
+    mixed = llm.generate([[40] * 9, [10, 11, 12], [7, 7]], [others, p, others], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_unseeded_runs_reproducible_from_engine_seed():
+    p = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    a = LLM("tiny-llama", device="cpu", max_model_len=64, seed=3).generate([[1, 2, 3]] * 2, p, use_tqdm=False)
+    b = LLM("tiny-llama", device="cpu", max_model_len=64, seed=3).generate([[1, 2, 3]] * 2, p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_logprobs(llm):
+    out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == len(out.outputs[0].token_ids)
+    for token, lp in zip(out.outputs[0].token_ids, lps, strict=True):
+        assert token in lp and lp[token].rank == 1  # greedy: the sampled token is the most likely
+        assert len(lp) == 2
+
+
+def test_bad_arguments_name_the_field():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="unknown LLM argument"):
+        LLM("tiny-llama", max_num_sequences=4)
+    with pytest.raises(ValueError, match="neither an existing directory"):
+        LLM("/nonexistent/checkpoint")
