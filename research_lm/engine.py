@@ -12,7 +12,7 @@ from research_lm.config import EngineConfig
 from research_lm.kv_cache import KVCacheManager
 from research_lm.memory import num_kv_blocks, profile_peak_activation_bytes
 from research_lm.metrics import EngineMetrics
-from research_lm.models.loader import load_model, load_tokenizer, resolve_model_path
+from research_lm.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
 from research_lm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from research_lm.request import Request, RequestStatus
 from research_lm.rng import mix_seed
@@ -39,9 +39,7 @@ class LLMEngine:
         self.config = config
         device = config.resolve_device()
         path = resolve_model_path(config.model)
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        hf_config = load_config(path, trust_remote_code=config.trust_remote_code)
         dtype = config.resolve_dtype(getattr(hf_config, "dtype", None), device)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(

@@ -1,0 +1,272 @@
+"""Reusable building blocks: RMSNorm, rotary embedding, linear layers with sliceable loaders, gated MLP.
+
+Parameters are created with torch's current default device and dtype: build them inside
+`base.build_scope`. Every parameter gets a `weight_loader`; the `*Parallel*` names say which
+dimension tensor parallelism will split (not implemented yet: today every rank holds everything).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from research_lm.models.base import default_weight_loader, set_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x), the statistics in fp32 (as transformers does). Optionally fused with the residual add."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden_size]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden_size]
+        residual: torch.Tensor | None = None,  # [..., hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, with a residual, (norm(x + residual), x + residual): the new residual stream."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotary position embedding (GPT-NeoX layout: the two halves of the rotated dims form the pairs)
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's RoPE dict with at least `rope_type` and `rope_theta`, from transformers 5's
+    `rope_parameters` or the older `rope_theta` + `rope_scaling` pair."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params = dict(params)
+    if "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type RoPE parameters are not supported yet")
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    partial = getattr(hf_config, "partial_rotary_factor", None)
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    return params
+
+
+def _base_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:  # [rotary_dim // 2] fp32
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (theta ** exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any], max_positions: int) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly between."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p.get("original_max_position_embeddings") or max_positions
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, p: dict[str, Any], rotary_dim: int, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): interpolate low frequencies, extrapolate high ones, scale attention."""
+    base = p["rope_theta"]
+    orig_len = p.get("original_max_position_embeddings") or max_positions
+    factor = p.get("factor") or max_positions / orig_len
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(orig_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 keeps the original frequency, 0 divides it by factor
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention_factor)
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_inv_freq(
+    params: dict[str, Any], rotary_dim: int, max_positions: int
+) -> tuple[torch.Tensor, float]:  # ([rotary_dim // 2] fp32, scale applied to cos and sin)
+    rope_type = params.get("rope_type", "default")
+    inv_freq = _base_inv_freq(params["rope_theta"], rotary_dim)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params, max_positions), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, params, rotary_dim, max_positions)
+    raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
+
+
+class RotaryEmbedding(nn.Module):
+    """positions -> (cos, sin), computed on the fly in fp32 (no per-position table to keep)."""
+
+    def __init__(self, head_size: int, params: dict[str, Any], max_positions: int):
+        super().__init__()
+        self.rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+        inv_freq, self.attention_scaling = rope_inv_freq(params, self.rotary_dim, max_positions)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # fp32, on the build device
+
+    def forward(
+        self, positions: torch.Tensor  # [num_tokens] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, rotary_dim // 2] fp32
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+
+
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    cos: torch.Tensor,  # [num_tokens, rotary_dim // 2] fp32
+    sin: torch.Tensor,  # [num_tokens, rotary_dim // 2] fp32
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size], x's dtype
+    """Rotate pairs (x[i], x[i + rotary_dim/2]) by position * inv_freq[i]; dims past rotary_dim pass through."""
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Linear layers
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, replicated on every rank. Subclasses differ only in how `weight_loader` slices."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        set_weight_loader(self.weight, self.weight_loader, self._shard_ids())
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            set_weight_loader(self.bias, self.weight_loader, self._shard_ids())
+        else:
+            self.register_parameter("bias", None)
+
+    def _shard_ids(self) -> tuple | None:
+        return None
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
+        default_weight_loader(param, tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input_size] -> [..., output_size]
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(Linear):
+    """Tensor parallelism will split the output dim (dim 0 of the weight)."""
+
+
+class RowParallelLinear(Linear):
+    """Tensor parallelism will split the input dim (dim 1 of the weight) and all-reduce the output."""
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input stacked on the output dim (e.g. gate_up_proj).
+
+    The checkpoint holds them separately; shard id i loads the i-th block of rows.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, shard_ids: tuple = ()):
+        self.output_sizes = list(output_sizes)
+        self.shard_names = tuple(shard_ids) or tuple(range(len(output_sizes)))
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def _shard_ids(self) -> tuple:
+        return self.shard_names
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:  # a checkpoint that already stores the stacked tensor
+            default_weight_loader(param, tensor)
+            return
+        index = self.shard_names.index(shard_id)
+        offset = sum(self.output_sizes[:index])
+        default_weight_loader(param.data.narrow(0, offset, self.output_sizes[index]), tensor)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections stacked: output = [num_heads + 2 * num_kv_heads] * head_size."""
+
+    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        self.head_size, self.num_heads, self.num_kv_heads = head_size, num_heads, num_kv_heads
+        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
+        super().__init__(hidden_size, sizes, bias, shard_ids=("q", "k", "v"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Embedding, LM head, MLP
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding table [vocab, hidden]; tensor parallelism will split the vocab dim."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        return F.embedding(input_ids, self.weight)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection [vocab, hidden]; used through `compute_logits`, never called."""
+
+
+def compute_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+    """Works for a `ParallelLMHead` and for a tied `VocabParallelEmbedding`."""
+    return F.linear(hidden, lm_head.weight).float()
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up as one merged projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: ['silu']")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

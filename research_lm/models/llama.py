@@ -1,0 +1,242 @@
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3. One decoder; the variants differ only in data.
+
+- Llama / Mistral: biases from `attention_bias` / `mlp_bias`; Mistral slides every layer's window.
+- Qwen2: q/k/v biases (always), no o_proj bias.
+- Qwen3: `attention_bias` on q/k/v/o, and an RMSNorm per head on q and k before RoPE.
+Sliding windows follow `config.layer_types` when present, else Qwen's `use_sliding_window` +
+`max_window_layers`, else `sliding_window` on every layer (see `layer_sliding_windows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from attention_zoo import Attention, AttentionSpec
+from research_lm.models.base import ModelBuildContext, StackedParams, build_scope, is_rotary_buffer, load_params
+from research_lm.models.layers import (
+    GatedMLP,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    compute_logits,
+    rope_parameters,
+)
+from research_lm.models.registry import register_model
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# Checkpoint projections that live stacked in one of our parameters.
+STACKED_PARAMS: StackedParams = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_size on each q and k head, before RoPE
+
+
+def head_size(hf_config: PretrainedConfig) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def layer_sliding_windows(hf_config: PretrainedConfig) -> list[int | None]:
+    """The attention window of each layer (None = full causal), as transformers applies it."""
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if window is None:
+        return [None] * n
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if hasattr(hf_config, "use_sliding_window"):  # Qwen configs from before `layer_types`
+        if not hf_config.use_sliding_window:
+            return [None] * n
+        return [window if i >= hf_config.max_window_layers else None for i in range(n)]
+    return [window] * n
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, hf_config: PretrainedConfig, variant: LlamaVariant, sliding_window: int | None,
+        build: ModelBuildContext,
+    ):
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = head_size(hf_config)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, self.num_heads, self.num_kv_heads, variant.qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_size, hidden, variant.o_bias)
+        self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if variant.qk_norm else None
+        spec = AttentionSpec(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+            scale=self.head_size**-0.5, sliding_window=sliding_window,
+        )
+        self.attn = Attention(spec, build.attention_backend, build.device, build.dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, rotary_dim // 2] fp32
+        attn_metadata: dict[str, Any],
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = self.attn(q, k, v, attn_metadata)  # [num_tokens, num_heads, head_size]
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, hf_config: PretrainedConfig, variant: LlamaVariant, sliding_window: int | None,
+        build: ModelBuildContext,
+    ):
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.self_attn = LlamaAttention(hf_config, variant, sliding_window, build)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.mlp = GatedMLP(
+            hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "hidden_act", "silu"),
+            variant.mlp_bias,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's output
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None at layer 0
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, residual); the stream is their sum
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, variant: LlamaVariant, build: ModelBuildContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            head_size(hf_config), rope_parameters(hf_config), hf_config.max_position_embeddings
+        )
+        windows = layer_sliding_windows(hf_config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, variant, windows[i], build) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn_metadata: dict[str, Any],
+        aux_layers: tuple[int, ...] = (),
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]; replaces the lookup
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        rope = self.rotary_emb(positions)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                taps[i] = hidden if residual is None else hidden + residual
+            hidden, residual = layer(hidden, residual, rope, attn_metadata)
+        if len(self.layers) in aux_layers:
+            taps[len(self.layers)] = hidden + residual
+        hidden, _ = self.norm(hidden, residual)
+        if not aux_layers:
+            return hidden
+        return hidden, [taps[i] for i in aux_layers]
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    @classmethod
+    def variant(cls, hf_config: PretrainedConfig) -> LlamaVariant:
+        attention_bias = getattr(hf_config, "attention_bias", False)
+        return LlamaVariant(
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=getattr(hf_config, "mlp_bias", False)
+        )
+
+    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
+        super().__init__()
+        self.config = hf_config
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        with build_scope(build):
+            self.model = LlamaModel(hf_config, self.variant(hf_config), build)
+            if self.tie_word_embeddings:
+                self.lm_head = self.model.embed_tokens
+            else:
+                self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
+
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn_metadata: dict[str, Any],
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:  # [num_tokens, hidden_size] (, aux)
+        return self.model(input_ids, positions, attn_metadata, self.aux_hidden_state_layers, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        return compute_logits(self.lm_head, hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def skip(name: str) -> bool:
+            return is_rotary_buffer(name) or (self.tie_word_embeddings and name == "lm_head.weight")
+
+        return load_params(self, weights, STACKED_PARAMS, skip)
+
+
+@register_model("Qwen2ForCausalLM")
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def variant(cls, hf_config: PretrainedConfig) -> LlamaVariant:
+        return LlamaVariant(qkv_bias=True)
+
+
+@register_model("Qwen3ForCausalLM")
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def variant(cls, hf_config: PretrainedConfig) -> LlamaVariant:
+        attention_bias = getattr(hf_config, "attention_bias", False)
+        return LlamaVariant(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
