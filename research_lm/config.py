@@ -30,8 +30,6 @@ class EngineConfig:
     attention_backend: str = "torch_ref"
     trust_remote_code: bool = False
     speculative_config: dict[str, Any] | None = None
-    cuda_graphs: bool = False
-    compile: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs (MoE/EPLB, Mamba, ...)
 
     def __post_init__(self) -> None:

@@ -53,8 +53,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         max_model_len=m.max_model_len, gpu_memory_utilization=r.gpu_memory_utilization,
         num_gpu_blocks=r.num_gpu_blocks, enable_prefix_caching=r.enable_prefix_caching,
         enable_chunked_prefill=r.enable_chunked_prefill, attention_backend=cfg.attention.backend,
-        trust_remote_code=m.trust_remote_code, speculative_config=spec, cuda_graphs=r.cuda_graphs,
-        compile=r.compile,
+        trust_remote_code=m.trust_remote_code, speculative_config=spec,
     )
 
 

@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 import torch
 
+# Tests run tiny ops in parallel pytest workers: intra-op threads only add spin-wait overhead.
+torch.set_num_threads(1)
+
 TINY_SHAPE: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6,

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(cwd)}
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(cwd), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "research_lm", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
