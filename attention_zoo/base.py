@@ -27,9 +27,13 @@ class AttentionSpec:
     kind: str = "attention"  # "attention" | "mla" | "mamba": which family of backends serves it
 
     def page_size_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one KV block of this layer (K and V)."""
+        """Bytes of one KV block of this layer (K and V). Layers with per-request state return 0."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * block_size * self.num_kv_heads * self.head_size * itemsize
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes of per-request state (Mamba conv + SSM state); 0 for paged KV layers."""
+        return 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,14 @@ class AttentionBackend(ABC):
     @classmethod
     @abstractmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, spec: AttentionSpec) -> tuple[int, ...]: ...
+
+    @classmethod
+    def allocate_cache(
+        cls, spec: AttentionSpec, *, num_blocks: int, block_size: int, num_slots: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> Any:
+        """This layer's cache: paged KV by default; state backends override (one slot per request row)."""
+        return torch.zeros(cls.kv_cache_shape(num_blocks, block_size, spec), dtype=dtype, device=device)
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> Any:

@@ -11,15 +11,23 @@ from attention_zoo.base import AttentionSpec
 from attention_zoo.registry import select_backend
 
 
-class Attention(nn.Module):
-    """Paged attention over this layer's KV cache. The runner binds `kv_cache` once at start-up."""
+class CacheLayer(nn.Module):
+    """A layer that owns a slice of the cache (paged KV, MLA latents, or Mamba state slots).
+
+    The runner finds every `CacheLayer` in the model (and in a proposer's drafter), sizes the cache
+    from their specs, and binds `kv_cache` once at start-up from `backend.allocate_cache`.
+    """
 
     def __init__(self, spec: AttentionSpec, backend: str, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.spec = spec
         self.backend = select_backend(backend, spec, device, dtype)
         self.impl = self.backend.make_impl(spec)
-        self.kv_cache = torch.empty(0)  # replaced by the runner's allocation
+        self.kv_cache: Any = torch.empty(0)  # replaced by the runner's allocation
+
+
+class Attention(CacheLayer):
+    """Paged attention over this layer's KV cache."""
 
     def forward(
         self,

@@ -67,6 +67,7 @@ class LLMEngine:
             self.kv_cache, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0),
         )
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
@@ -88,7 +89,7 @@ class LLMEngine:
             page_size_bytes=self.runner.page_size_bytes(info.dtype), device=info.device,
             gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks=c.num_gpu_blocks,
             max_num_seqs=c.max_num_seqs, max_model_len=info.max_model_len, block_size=c.block_size,
-            activation_bytes=activation,
+            activation_bytes=activation, state_bytes=self.runner.state_bytes(info.dtype),
         )
 
     def _dummy_forward(self) -> None:

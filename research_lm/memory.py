@@ -29,19 +29,22 @@ def num_kv_blocks(
     max_model_len: int,
     block_size: int,
     activation_bytes: int = 0,
+    state_bytes: int = 0,  # per-request state (Mamba slots), allocated before the blocks
 ) -> int:
     """CUDA: the blocks that fit in `utilization × total` after weights and activations.
     CPU: enough for every sequence at full length (+ the null block), capped at that fraction of
     half the RAM, since a CPU run shares memory with everything else."""
     if num_gpu_blocks is not None:
         return num_gpu_blocks
+    wanted = max_num_seqs * -(-max_model_len // block_size) + 1
+    if page_size_bytes == 0:  # no paged layers (pure Mamba): block ids cost nothing, give every request its own
+        return wanted
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = total * gpu_memory_utilization - (total - free) - activation_bytes
+        budget = total * gpu_memory_utilization - (total - free) - activation_bytes - state_bytes
     else:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        wanted = max_num_seqs * -(-max_model_len // block_size) + 1
-        budget = min(wanted * page_size_bytes, ram * 0.5 * gpu_memory_utilization)
+        budget = min(wanted * page_size_bytes, ram * 0.5 * gpu_memory_utilization - state_bytes)
     num_blocks = int(budget // page_size_bytes)
     if num_blocks < 2:
         raise ValueError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attention_zoo import Attention, CommonAttentionMetadata
+from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.buffers import StepBuffers, slots_for_positions
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import Logprob
@@ -54,8 +54,11 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.proposer = proposer
-        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.backends = list({layer.backend.name: layer.backend for layer in self.attn_layers}.values())
+        # The target's cache layers, then the drafter's (draft model / EAGLE KV shares the block table).
+        self.cache_layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
+        self.cache_layers += list(getattr(proposer, "cache_layers", []))
+        self.backends = list({layer.backend.name: layer.backend for layer in self.cache_layers}.values())
+        self.max_num_seqs = max_num_seqs
         max_blocks_per_req = -(-max_model_len // block_size)
         self.buffers = StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_req, device)
         self.rows = RequestRows(max_num_seqs)
@@ -66,13 +69,19 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------------
     def page_size_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one KV block costs summed over all layers."""
-        return sum(layer.spec.page_size_bytes(self.block_size, dtype) for layer in self.attn_layers)
+        """Bytes one KV block costs summed over all paged layers."""
+        return sum(layer.spec.page_size_bytes(self.block_size, dtype) for layer in self.cache_layers)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of per-request state (one slot per request row) summed over all state layers."""
+        return self.max_num_seqs * sum(layer.spec.state_bytes_per_slot(dtype) for layer in self.cache_layers)
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        for layer in self.attn_layers:
-            shape = layer.backend.kv_cache_shape(num_blocks, self.block_size, layer.spec)
-            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        for layer in self.cache_layers:
+            layer.kv_cache = layer.backend.allocate_cache(
+                layer.spec, num_blocks=num_blocks, block_size=self.block_size, num_slots=self.max_num_seqs,
+                dtype=dtype, device=self.device,
+            )
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -107,7 +116,8 @@ class ModelRunner:
             outcome = StepOutcome(
                 requests=[s.request for s in sched.scheduled], emitted=emitted, input_ids=input_ids,
                 positions=positions, query_start_loc_cpu=common.query_start_loc_cpu,
-                hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected,
+                hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected, common=common,
+                attn_metadata=attn_metadata,
             )
             proposal: Proposal = self.proposer.propose(outcome)
             output.draft_token_ids = proposal.token_ids

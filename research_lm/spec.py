@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from attention_zoo import CommonAttentionMetadata
 from research_lm.request import Request
 
 
@@ -20,13 +21,16 @@ class StepOutcome:
     """What the target produced this step, for the proposer to draft from."""
 
     requests: list[Request]  # scheduled requests in batch order
-    emitted: list[list[int]]  # tokens each request emitted this step (already appended? no: pending)
+    emitted: list[list[int]]  # tokens each request emitted this step (not yet appended to the request)
     input_ids: torch.Tensor  # [num_tokens] the flat batch fed to the target
     positions: torch.Tensor  # [num_tokens]
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
     hidden_states: torch.Tensor | None  # [num_tokens, hidden] the target's final hidden states
     aux_hidden_states: list[torch.Tensor] | None  # per aux layer, [num_tokens, hidden]
     num_rejected: list[int]  # drafts rejected per request this step (their KV slots are stale)
+    # The step's batch: block tables (shared with a drafter's own KV), seq lens, slots.
+    common: CommonAttentionMetadata
+    attn_metadata: dict[str, Any]  # backend name -> metadata, as the target's layers saw it
 
 
 @dataclass
@@ -36,6 +40,10 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    """Optional attributes the runner/engine read with getattr: `cache_layers` (the drafter's
+    `CacheLayer`s, allocated with the target's and sharing its block tables) and
+    `num_lookahead_tokens` (KV slots the drafter writes past the verified tokens)."""
+
     num_speculative_tokens: int
     # Target layers whose input residual streams the proposer consumes (EAGLE-3); () for none.
     aux_hidden_state_layers: tuple[int, ...]

@@ -1,0 +1,301 @@
+"""Token-budget scheduling in the style of vLLM v1: no prefill/decode phases, just how many new
+tokens each request computes this step.
+
+Invariants (asserted by tests/test_scheduler.py):
+- Per step: `sum(num_new_tokens) <= max_num_batched_tokens`, `len(running) <= max_num_seqs`, and
+  every scheduled request gets >= 1 token. Running requests come first, in admission order.
+- A running request's table covers `num_computed_tokens + num_new_tokens` (+ lookahead) slots.
+- `num_computed_tokens` counts tokens whose KV is in the cache and real: after a step it is
+  `num_tokens - 1` once the request has emitted (the last sampled token is computed next step).
+- Preemption is by recompute and always takes the newest running request (the last admitted); a
+  preempted request keeps its output tokens, frees its blocks and recomputes prompt + outputs. In
+  a step that preempts, no waiting request is admitted.
+- `finished_req_ids` / `preempted_req_ids` name every request whose runner row must go since the
+  previous step (a runner ignores ids it does not hold, e.g. a request aborted while waiting).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from research_lm.kv_cache import KVCacheManager
+from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from research_lm.request import Logprob, Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of non-null blocks in use
+    num_preemptions: int  # total since start
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # tokens found computed
+    prefix_cache_hit_rate: float
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, and folds the runner's sampled
+    tokens back into the requests (stop checks, spec-decode accounting, prefix caching)."""
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        num_lookahead_tokens: int = 0,
+        sliding_window: int | None = None,
+    ) -> None:
+        """`num_lookahead_tokens`: extra slots a proposer writes past the verified tokens (EAGLE).
+        `sliding_window`: free blocks out of the window; only when every layer uses that window."""
+        if kv_cache.max_num_tokens < max_model_len + num_lookahead_tokens:
+            raise ValueError(
+                f"the KV cache holds {kv_cache.max_num_tokens} tokens ({kv_cache.num_blocks - 1} blocks of "
+                f"{kv_cache.block_size}), fewer than max_model_len={max_model_len} + "
+                f"{num_lookahead_tokens} lookahead: lower max_model_len or give the cache more memory"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                f"max_model_len ({max_model_len}), or a long prompt never fits a step"
+            )
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.sliding_window = sliding_window
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+        self._finished_since_schedule: set[str] = set()
+
+    # ---- queue API ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens, "
+                f"must be 1..max_model_len ({self.max_model_len})"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish an unfinished request with reason "abort" (None if unknown or already finished)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, "abort")
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> SchedulerStats:
+        pc = self.kv_cache.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            prefix_cache_hit_rate=pc.hit_rate,
+        )
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput(scheduled=[], finished_req_ids=self._finished_since_schedule)
+        self._finished_since_schedule = set()
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Decodes (and unfinished prefill chunks) first, in admission order; preempt the newest
+        running request until an allocation fits. Returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            if self.sliding_window is not None:
+                self.kv_cache.free_blocks_outside_window(request, self.sliding_window)
+            num_new, drafts = self._num_new_tokens_running(request, budget)
+            block_ids = self._allocate_or_preempt(request, num_new, out)
+            if block_ids is None:  # the request itself was the newest: it was preempted
+                break
+            request.spec_token_ids = drafts
+            out.scheduled.append(ScheduledRequest(request, num_new, block_ids, list(drafts)))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _num_new_tokens_running(self, request: Request, budget: int) -> tuple[int, list[int]]:
+        """Tokens to compute for a running request and the drafts among them (a prefix of its drafts).
+
+        Drafts are trimmed to those whose acceptance could still be kept: k drafts emit up to k + 1
+        tokens, bounded by max_model_len and max_tokens."""
+        room = self.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        drafts = request.spec_token_ids[: max(0, room - 1)]
+        num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
+        num_drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+        assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
+        return num_new, drafts[:num_drafts]
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> list[int] | None:
+        """Allocate for a running request, preempting the newest running requests while that fails.
+        Returns None when `request` itself had to be preempted."""
+        while True:
+            block_ids = self.kv_cache.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+            )
+            if block_ids is not None:
+                return block_ids
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_req_ids.add(request.request_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests FIFO (preempted ones sit at the front) while seats, budget and
+        blocks last; the first that does not fit stops admission."""
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            block_ids = self.kv_cache.allocate_slots(
+                request, num_new, hit_blocks, num_lookahead_tokens=self.num_lookahead_tokens
+            )
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            self.kv_cache.prefix_cache_stats.record(request.num_tokens, num_hit)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
+            budget -= num_new
+
+    # ---- update ------------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[Request]:
+        """Fold one step's results into the requests; returns the requests that finished."""
+        row = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        finished = []
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            if request.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            i = row[request.request_id]
+            logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
+            self._advance(request, sched, runner_output.sampled_token_ids[i], logprobs)
+            if request.finish_reason is not None:
+                finished.append(request)
+                continue
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self._finish(request, request.finish_reason)
+        return finished
+
+    def _advance(
+        self,
+        request: Request,
+        sched: ScheduledRequest,
+        sampled: list[int],
+        logprobs: list[dict[int, Logprob]] | None,
+    ) -> None:
+        """Count computed tokens (rolling back rejected drafts) and append the emitted tokens up to
+        the first stop; sets `finish_reason` when the request stops."""
+        num_drafts = len(sched.spec_token_ids)
+        num_rejected = num_drafts + 1 - len(sampled) if sampled else 0
+        assert 0 <= num_rejected <= num_drafts, f"{len(sampled)} tokens for {num_drafts} drafts"
+        request.num_computed_tokens += sched.num_new_tokens - num_rejected
+        request.spec_token_ids = []
+        if num_drafts:
+            request.num_draft_tokens += num_drafts
+            request.num_accepted_tokens += len(sampled) - 1
+        for j, token in enumerate(sampled):
+            request.output_token_ids.append(token)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs[j])
+            if request.first_token_time is None:
+                request.first_token_time = time.perf_counter()
+            reason = self._check_stop(request, token)
+            if reason is not None:
+                request.finish_reason = reason
+                break
+        # After a stop inside accepted drafts, computed KV past the last kept token is moot.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+
+    def _check_stop(self, request: Request, token: int) -> str | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return "stop"
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return "stop"
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        """Release a request already removed from `waiting` / `running`."""
+        if request.status == RequestStatus.RUNNING:
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.perf_counter()
+        request.spec_token_ids = []
+        self.requests.pop(request.request_id, None)
+        self._finished_since_schedule.add(request.request_id)
