@@ -27,10 +27,18 @@ class EngineConfig:
     num_gpu_blocks: int | None = None  # overrides the memory-derived KV budget
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "torch_ref"
+    attention_backend: str = "torch_ref"  # for standard attention layers
+    mla_backend: str = "mla_torch_ref"  # for MLA layers (DeepSeek-V2/V3)
+    mamba_backend: str = "mamba_torch_ref"  # for Mamba2 mixer layers
     trust_remote_code: bool = False
     speculative_config: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs (MoE/EPLB, Mamba, ...)
+    eplb_config: dict[str, Any] | None = None  # MoE expert placement (conf/eplb); ignored by dense models
+    extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
+
+    def model_extra(self) -> dict[str, Any]:
+        """What model constructors read from `ModelBuildContext.extra`: per-kind backends and EPLB."""
+        return {**self.extra, "mla_backend": self.mla_backend, "mamba_backend": self.mamba_backend,
+                "eplb": self.eplb_config}
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -44,7 +44,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(
             path, device=device, dtype=dtype, attention_backend=config.attention_backend,
-            trust_remote_code=config.trust_remote_code, extra=config.extra,
+            trust_remote_code=config.trust_remote_code, extra=config.model_extra(),
         )
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         max_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)

@@ -54,6 +54,9 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         num_gpu_blocks=r.num_gpu_blocks, enable_prefix_caching=r.enable_prefix_caching,
         enable_chunked_prefill=r.enable_chunked_prefill, attention_backend=cfg.attention.backend,
         trust_remote_code=m.trust_remote_code, speculative_config=spec,
+        mla_backend=cfg.attention.get("mla_backend", "mla_torch_ref"),
+        mamba_backend=cfg.attention.get("mamba_backend", "mamba_torch_ref"),
+        eplb_config=OmegaConf.to_container(cfg.eplb, resolve=True) if "eplb" in cfg else None,
     )
 
 
