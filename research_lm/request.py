@@ -71,6 +71,9 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    def token_at(self, i: int) -> int:
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without concatenating the whole history (hot path)."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]

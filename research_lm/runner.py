@@ -139,7 +139,7 @@ class ModelRunner:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
             num_real = n - len(s.spec_token_ids)
-            tokens = req.all_token_ids[start : start + num_real] + s.spec_token_ids
+            tokens = req.token_ids_slice(start, start + num_real) + s.spec_token_ids
             positions = np.arange(start, start + n)
             block_ids = np.asarray(s.block_ids, dtype=np.int32)
             row = self.rows.add(req.request_id)
