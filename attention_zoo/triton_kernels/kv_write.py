@@ -1,0 +1,83 @@
+"""KV write: scatter this step's K/V rows into the paged cache at their slots (vLLM's reshape_and_cache)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr,  # [num_tokens, num_kv_heads, head_size]
+    v_ptr,  # [num_tokens, num_kv_heads, head_size]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping_ptr,  # [num_tokens] int64; -1 = skip
+    num_tokens,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_blk,
+    stride_c_slot,
+    stride_c_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,  # power of 2 >= NUM_KV_HEADS
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # power of 2 >= HEAD_SIZE
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block (page)
+    BLOCK_T: tl.constexpr,  # tokens per program
+):
+    # Rows of the [BLOCK_T * HEADS_PAD, HEAD_PAD] tile: row r is (token r // HEADS_PAD, head r % HEADS_PAD).
+    rows = tl.arange(0, BLOCK_T * HEADS_PAD)
+    tok = tl.program_id(0) * BLOCK_T + rows // HEADS_PAD
+    head = rows % HEADS_PAD
+    tok_valid = tok < num_tokens
+    slot = tl.load(slot_mapping_ptr + tok, mask=tok_valid, other=-1)
+    d = tl.arange(0, HEAD_PAD)
+    mask = ((slot >= 0) & (head < NUM_KV_HEADS))[:, None] & (d < HEAD_SIZE)[None, :]
+    tok = tok.to(tl.int64)
+    src_k = tok[:, None] * stride_k_tok + head[:, None] * stride_k_head + d[None, :]
+    src_v = tok[:, None] * stride_v_tok + head[:, None] * stride_v_head + d[None, :]
+    dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot + head * stride_c_head
+    dst = dst[:, None] + d[None, :]
+    k = tl.load(k_ptr + src_k, mask=mask)
+    v = tl.load(v_ptr + src_v, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    k: torch.Tensor,  # [>= num_tokens, num_kv_heads, head_size]
+    v: torch.Tensor,  # [>= num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = padding, not written
+) -> None:
+    """Write k[t], v[t] to flat slot slot_mapping[t] (= block * block_size + offset) for every t."""
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    num_tokens = slot_mapping.shape[0]
+    assert k.shape[1:] == (num_kv_heads, head_size) and v.shape[1:] == k.shape[1:], (k.shape, v.shape)
+    assert k.shape[0] >= num_tokens and v.shape[0] >= num_tokens
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert k.device == kv_cache.device == slot_mapping.device
+    if num_tokens == 0:
+        return
+    heads_pad = triton.next_power_of_2(num_kv_heads)
+    head_pad = triton.next_power_of_2(head_size)
+    # ~4k elements per program on a GPU; the interpreter pays per operation, so it takes more tokens.
+    elems = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 4096
+    block_t = triton.next_power_of_2(max(1, elems // (heads_pad * head_pad)))
+    block_t = min(block_t, triton.next_power_of_2(num_tokens))
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _reshape_and_cache_kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, v, k_cache, v_cache, slot_mapping, num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, BLOCK_T=block_t, num_warps=4,
+    )  # fmt: skip
