@@ -1,0 +1,227 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (attention_zoo.mla) with a dense or MoE MLP per layer.
+
+The decoder loop, embeddings and LM head are the Llama family's (`DeepseekModel` subclasses
+`LlamaModel`); what differs is the attention:
+- q: `q_proj`, or the low-rank `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` when `q_lora_rank` is set
+  (then `q_a_proj` and `kv_a_proj_with_mqa` run as one GEMM, `fused_qkv_a_proj`).
+- kv: `kv_a_proj_with_mqa` gives the latent c [kv_lora_rank] and one shared rope key k_pe
+  [qk_rope_head_dim]; the cache keeps norm(c) and rope(k_pe); `kv_b_proj` up-projects c to per-head
+  k_nope and v (or, at decode, is absorbed into q and the output; see attention_zoo/mla.py).
+- RoPE on the rope dims only, in DeepSeek's interleaved pair layout (V2 always; V3 when
+  `rope_interleave`, the default): we de-interleave q_pe and k_pe and rotate halves, which permutes
+  the rope dims of q and k alike and leaves every dot product unchanged.
+- softmax scale (nope + rope)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (as transformers).
+
+Each layer's MLP comes from `make_mlp(hf_config, layer_idx, build)`: a dense gated MLP for the first
+`first_k_dense_replace` layers (every layer when `n_routed_experts` is 0 or null); MoE layers raise until
+research_lm.moe lands, and that function is the one place to switch them on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from attention_zoo.mla import MLAAttention, MLASpec
+from research_lm.models.base import ModelBuildContext, StackedParams, build_scope, is_rotary_buffer, load_params
+from research_lm.models.layers import (
+    ColumnParallelLinear,
+    GatedMLP,
+    Linear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _yarn_mscale,
+    apply_rotary,
+    rope_parameters,
+)
+from research_lm.models.llama import LlamaForCausalLM, LlamaModel
+from research_lm.models.registry import register_model
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+DEFAULT_MLA_BACKEND = "mla_torch_ref"
+LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
+
+MLP_STACKED: StackedParams = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+Q_LORA_STACKED: StackedParams = (
+    ("fused_qkv_a_proj", "q_a_proj", "q_a"),
+    ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "kv_a"),
+)
+
+
+def mla_softmax_scale(hf_config: PretrainedConfig) -> float:
+    """(nope + rope)^-0.5, times mscale^2 for scaled RoPE with `mscale_all_dim` (transformers' yarn_apply_mscale)."""
+    scale = (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(hf_config)
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if params.get("rope_type", "default") != "default" and mscale_all_dim:
+        factor = params.get("factor") or hf_config.max_position_embeddings / params["original_max_position_embeddings"]
+        mscale = _yarn_mscale(factor, mscale_all_dim)
+        scale *= mscale * mscale
+    return scale
+
+
+def is_moe_layer(hf_config: PretrainedConfig, layer_idx: int) -> bool:
+    """DeepSeek's rule: routed experts from layer `first_k_dense_replace` on, every `moe_layer_freq`-th."""
+    if not getattr(hf_config, "n_routed_experts", None):
+        return False
+    first_dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
+    return layer_idx >= first_dense and layer_idx % (getattr(hf_config, "moe_layer_freq", 1) or 1) == 0
+
+
+def make_mlp(hf_config: PretrainedConfig, layer_idx: int, build: ModelBuildContext) -> nn.Module:
+    """The MLP of decoder layer `layer_idx`: [num_tokens, hidden] -> [num_tokens, hidden]."""
+    if is_moe_layer(hf_config, layer_idx):
+        raise ValueError(
+            f"layer {layer_idx} of this DeepSeek config is a MoE layer (n_routed_experts="
+            f"{hf_config.n_routed_experts}, first_k_dense_replace={getattr(hf_config, 'first_k_dense_replace', 0)}, "
+            f"{hf_config.num_hidden_layers} layers); DeepSeek MoE layers are not supported until research_lm.moe "
+            "lands: use a config whose layers are all dense (first_k_dense_replace >= num_hidden_layers, or "
+            "n_routed_experts 0)"
+        )
+    return GatedMLP(
+        hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "hidden_act", "silu"),
+        getattr(hf_config, "mlp_bias", False),
+    )
+
+
+class DeepseekAttention(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, rope_interleave: bool, build: ModelBuildContext):
+        super().__init__()
+        hidden, bias = hf_config.hidden_size, getattr(hf_config, "attention_bias", False)
+        self.num_heads = hf_config.num_attention_heads
+        self.q_lora_rank = getattr(hf_config, "q_lora_rank", None)
+        self.kv_lora_rank = hf_config.kv_lora_rank
+        self.nope_dim, self.rope_dim = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim
+        self.v_dim = hf_config.v_head_dim
+        self.rope_interleave = rope_interleave
+        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        latent = self.kv_lora_rank + self.rope_dim
+        if self.q_lora_rank:
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(
+                hidden, [self.q_lora_rank, latent], bias, shard_ids=("q_a", "kv_a")
+            )
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, q_out)
+            self.kv_a_proj_with_mqa = Linear(hidden, latent, bias)  # replicated: every head reads the latent
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, hidden, bias)
+        spec = MLASpec.from_dims(
+            num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.nope_dim,
+            qk_rope_head_dim=self.rope_dim, v_head_dim=self.v_dim, scale=mla_softmax_scale(hf_config),
+        )
+        backend = build.extra.get("mla_backend") or DEFAULT_MLA_BACKEND
+        self.attn = MLAAttention(spec, backend, build.device, build.dtype)
+
+    def _rope(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]  # x: [num_tokens, heads, rope_dim]
+    ) -> torch.Tensor:
+        if self.rope_interleave:  # pairs (x0, x1), (x2, x3), ... -> halves (x0, x2, ...), (x1, x3, ...)
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return apply_rotary(x, *rope)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, rope_dim // 2] fp32
+        attn_metadata: dict[str, Any],
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        if self.q_lora_rank:
+            q_c, latent = self.fused_qkv_a_proj(hidden).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+            q = self.q_b_proj(self.q_a_layernorm(q_c))
+        else:
+            q, latent = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
+        q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q = torch.cat((q_nope, self._rope(q_pe, rope)), dim=-1)  # [num_tokens, H, nope + rope]
+        k_pe = self._rope(k_pe[:, None, :], rope)[:, 0]  # [num_tokens, rope]
+        out = self.attn(q, self.kv_a_layernorm(kv_c), k_pe, self.kv_b_proj.weight, attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, layer_idx: int, rope_interleave: bool, build: ModelBuildContext):
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.self_attn = DeepseekAttention(hf_config, rope_interleave, build)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.mlp = make_mlp(hf_config, layer_idx, build)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's output
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None at layer 0
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, residual); the stream is their sum
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekModel(LlamaModel):
+    """Llama's forward (embed, layers, final norm, EAGLE-3 taps) over DeepSeek decoder layers."""
+
+    def __init__(self, hf_config: PretrainedConfig, rope_interleave: bool, build: ModelBuildContext):
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            hf_config.qk_rope_head_dim, rope_parameters(hf_config), hf_config.max_position_embeddings
+        )
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(hf_config, i, rope_interleave, build) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+
+@register_model("DeepseekV2ForCausalLM")
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    """`forward`, `compute_logits` and the embedding accessors are LlamaForCausalLM's."""
+
+    @classmethod
+    def rope_interleave(cls, hf_config: PretrainedConfig) -> bool:
+        return True  # V2 rotates interleaved pairs (as complex numbers)
+
+    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
+        nn.Module.__init__(self)
+        self.config = hf_config
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        with build_scope(build):
+            self.model = DeepseekModel(hf_config, self.rope_interleave(hf_config), build)
+            if self.tie_word_embeddings:
+                self.lm_head = self.model.embed_tokens
+            else:
+                self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        stacked = MLP_STACKED + (Q_LORA_STACKED if getattr(self.config, "q_lora_rank", None) else ())
+
+        def skip(name: str) -> bool:
+            return is_rotary_buffer(name) or (self.tie_word_embeddings and name == "lm_head.weight")
+
+        return load_params(self, weights, stacked, skip)
+
+
+@register_model("DeepseekV3ForCausalLM")
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    @classmethod
+    def rope_interleave(cls, hf_config: PretrainedConfig) -> bool:
+        return bool(getattr(hf_config, "rope_interleave", True))
