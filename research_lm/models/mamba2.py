@@ -1,0 +1,259 @@
+"""Mamba2 (arXiv 2405.21060): the mixer layer every Mamba-bearing family reuses, and `Mamba2ForCausalLM`.
+
+The mixer is transformers' `Mamba2Mixer`: in_proj -> (z, xBC, dt); the SSM over its per-request state
+slots (`attention_zoo.mamba.MambaMixer`, backend from `build.extra["mamba_backend"]`); gated RMSNorm
+of y with z (per group); out_proj. Parameters carry the checkpoint's names (`in_proj`, `conv1d`,
+`dt_bias`, `A_log`, `D`, `norm`, `out_proj`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention_zoo.mamba import MambaMixer, MambaSpec, MambaWeights
+from research_lm.models.base import (
+    ModelBuildContext,
+    build_scope,
+    default_weight_loader,
+    load_params,
+    set_weight_loader,
+)
+from research_lm.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    compute_logits,
+)
+from research_lm.models.registry import register_model
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+DEFAULT_MAMBA_BACKEND = "mamba_torch_ref"
+
+
+@dataclass(frozen=True)
+class Mamba2MixerConfig:
+    """The mixer's shape, whatever config family it comes from (Mamba2, Bamba, ...)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    norm_eps: float
+    time_step_limit: tuple[float, float]
+    activation: str = "silu"
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @classmethod
+    def from_mamba2(cls, hf: PretrainedConfig) -> Mamba2MixerConfig:
+        return cls(
+            hidden_size=hf.hidden_size, num_heads=hf.num_heads, head_dim=hf.head_dim, n_groups=hf.n_groups,
+            state_size=hf.state_size, conv_kernel=hf.conv_kernel, chunk_size=hf.chunk_size,
+            conv_bias=hf.use_conv_bias, proj_bias=hf.use_bias, norm_eps=hf.layer_norm_epsilon,
+            time_step_limit=time_step_limit(hf.time_step_limit), activation=hf.hidden_act,
+        )
+
+
+def time_step_limit(limit: Any) -> tuple[float, float]:
+    return (0.0, math.inf) if limit is None else (float(limit[0]), float(limit[1]))
+
+
+class GatedRMSNorm(nn.Module):
+    """w * rmsnorm_per_group(y * silu(z)), in fp32 (transformers' MambaRMSNormGated, norm_before_gate=False)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float):
+        super().__init__()
+        self.group_size, self.eps = group_size, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def forward(
+        self, y: torch.Tensor, z: torch.Tensor  # [num_tokens, hidden_size] each
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], y's dtype
+        h = y.float() * F.silu(z.float())
+        h = h.unflatten(-1, (-1, self.group_size))
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return self.weight * h.to(y.dtype)
+
+
+class CausalConv1d(nn.Module):
+    """Holds the depthwise conv's checkpoint tensors (`conv1d.weight` [conv_dim, 1, kernel], `conv1d.bias`);
+    the backend applies them over the request's conv state."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        set_weight_loader(self.weight, default_weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(channels))
+            set_weight_loader(self.bias, default_weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: Mamba2MixerConfig, build: ModelBuildContext):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.num_heads
+        self.in_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size + cfg.conv_dim + H, cfg.proj_bias)
+        self.conv1d = CausalConv1d(cfg.conv_dim, cfg.conv_kernel, cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.D = nn.Parameter(torch.empty(H))
+        for p in (self.dt_bias, self.A_log, self.D):
+            set_weight_loader(p, default_weight_loader)
+        self.norm = GatedRMSNorm(cfg.intermediate_size, cfg.intermediate_size // cfg.n_groups, cfg.norm_eps)
+        self.out_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.proj_bias)
+        spec = MambaSpec(
+            num_heads=H, num_kv_heads=cfg.n_groups, head_size=cfg.head_dim, state_size=cfg.state_size,
+            conv_kernel=cfg.conv_kernel, chunk_size=cfg.chunk_size, time_step_limit=cfg.time_step_limit,
+            activation=cfg.activation,
+        )
+        backend = build.extra.get("mamba_backend") or DEFAULT_MAMBA_BACKEND
+        self.ssm = MambaMixer(spec, backend, build.device, build.dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        attn_metadata: dict[str, Any],
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        cfg = self.cfg
+        z, xbc, dt = self.in_proj(hidden).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
+        weights = MambaWeights(self.conv1d.weight.flatten(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias)
+        y = self.ssm(xbc, dt, weights, attn_metadata)  # [num_tokens, intermediate_size]
+        return self.out_proj(self.norm(y, z).to(hidden.dtype))
+
+    @torch.no_grad()
+    def init_random_weights(self, gen: torch.Generator, std: float = 0.02) -> None:
+        """transformers' init (A = 1..H, D = 1, dt in [1e-3, 0.1]) for speed runs without a checkpoint."""
+        H = self.cfg.num_heads
+        self.A_log.copy_(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
+        self.D.fill_(1.0)
+        u = torch.rand(H, generator=gen, device=gen.device).cpu()
+        dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.norm.weight.fill_(1.0)
+        for p in (self.in_proj.weight, self.conv1d.weight, self.out_proj.weight):
+            p.normal_(0.0, std, generator=gen)
+        for p in (self.in_proj.bias, self.conv1d.bias, self.out_proj.bias):
+            if p is not None:
+                p.zero_()
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
+        super().__init__()
+        self.residual_in_fp32 = bool(getattr(hf_config, "residual_in_fp32", True))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon)
+        self.mixer = Mamba2Mixer(Mamba2MixerConfig.from_mamba2(hf_config), build)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the residual stream (fp32 if residual_in_fp32)
+        attn_metadata: dict[str, Any],
+    ) -> torch.Tensor:  # the new residual stream
+        residual = hidden.float() if self.residual_in_fp32 else hidden
+        return residual + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), attn_metadata)
+
+
+class Mamba2Model(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
+        super().__init__()
+        self.embeddings = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(Mamba2Block(hf_config, build) for _ in range(hf_config.num_hidden_layers))
+        self.norm_f = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        attn_metadata: dict[str, Any],
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], final norm applied, in the model dtype
+        hidden = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        dtype = hidden.dtype
+        for layer in self.layers:
+            hidden = layer(hidden, attn_metadata)
+        return self.norm_f(hidden).to(dtype)
+
+
+@register_model("Mamba2ForCausalLM")
+class Mamba2ForCausalLM(nn.Module):
+    """Attention-free: positions are ignored, every layer is a Mamba2 mixer over per-request state."""
+
+    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
+        super().__init__()
+        self.config = hf_config
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        with build_scope(build):
+            self.backbone = Mamba2Model(hf_config, build)
+            if self.tie_word_embeddings:
+                self.lm_head = self.backbone.embeddings
+            else:
+                self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding:
+        return self.backbone.embeddings
+
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
+        return self.backbone.embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64, unused: the state carries the order
+        attn_metadata: dict[str, Any],
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if self.aux_hidden_state_layers:
+            raise ValueError("Mamba2ForCausalLM does not expose aux hidden states (EAGLE-3 taps)")
+        return self.backbone(input_ids, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        return compute_logits(self.lm_head, hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:  # original state-spaces checkpoints say `embedding`
+                yield name.replace("backbone.embedding.", "backbone.embeddings."), tensor
+
+        def skip(name: str) -> bool:
+            return self.tie_word_embeddings and name == "lm_head.weight"
+
+        return load_params(self, renamed(), skip=skip)
+
+    @torch.no_grad()
+    def init_random_weights(self, gen: torch.Generator, std: float = 0.02) -> None:
+        for name, param in self.named_parameters():
+            if ".mixer." in name:
+                continue
+            if param.dim() >= 2:
+                param.normal_(0.0, std, generator=gen)
+            else:  # the RMSNorm scales
+                param.fill_(1.0)
+        for layer in self.backbone.layers:
+            layer.mixer.init_random_weights(gen, std)
