@@ -13,6 +13,10 @@ from attention_zoo.base import AttentionBackend, AttentionSpec
 _BACKEND_MODULES: dict[str, str] = {
     "torch_ref": "attention_zoo.torch_ref",
     "triton": "attention_zoo.triton_attn",
+    "mamba_torch_ref": "attention_zoo.mamba",
+    "mamba_triton": "attention_zoo.mamba_triton",
+    "mla_torch_ref": "attention_zoo.mla",
+    "mla_triton": "attention_zoo.mla_triton",
 }
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
