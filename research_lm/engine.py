@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from research_lm.kv_cache import KVCacheManager
 from research_lm.memory import num_kv_blocks, profile_peak_activation_bytes
 from research_lm.metrics import EngineMetrics
 from research_lm.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
+from research_lm.moe.eplb_controller import build_eplb_controller
 from research_lm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from research_lm.request import Request, RequestStatus
 from research_lm.rng import mix_seed
@@ -22,6 +24,7 @@ from research_lm.scheduler import Scheduler
 from research_lm.spec import build_proposer
 
 _SEED_STREAM = 7  # derives per-request seeds from the engine seed
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,9 +63,21 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             vocab_size=self.info.vocab_size, proposer=proposer,
         )
+        # Per-request state (Mamba) summarizes the whole prefix: cached KV blocks cannot restore it, and
+        # rejected draft tokens cannot be taken back out of it. Prefix caching goes off, drafting is refused.
+        has_state = self.runner.state_bytes(dtype) > 0
+        if has_state and proposer is not None:
+            raise ValueError("speculative decoding is not supported for models with Mamba (per-request state) layers")
+        if has_state and config.enable_prefix_caching:
+            logger.warning("prefix caching is disabled: this model has Mamba layers, whose per-request state "
+                           "a cached prefix cannot restore (pass enable_prefix_caching=False to silence this)")
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks, dtype)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # after the KV sizing (its profiling forward must not count as expert load)
+        self.eplb = build_eplb_controller(self.model, config.eplb_config)
+        self.kv_cache = KVCacheManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching and not has_state
+        )
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
@@ -159,6 +174,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             out = self.runner.execute(sched)
+            if self.eplb is not None:
+                self.eplb.step()
             finished += self.scheduler.update_from_output(sched, out)
             self.metrics.record_step(sched, out, self.scheduler.stats(), time.perf_counter() - t0)
         outputs = [self.make_output(r) for r in finished]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -17,6 +18,9 @@ from research_lm.loggers import get_logger
 from research_lm.workloads import WorkloadSpec, build_workload
 
 _TASKS: dict[str, Any] = {}
+# Tasks registered by other modules, imported when first asked for (their import registers them).
+_TASK_MODULES = {name: "research_lm.train.tasks"
+                 for name in ("train_target", "train_eagle3", "train_eagle", "train_medusa", "train_draft")}
 
 
 def register_task(name: str):
@@ -28,8 +32,10 @@ def register_task(name: str):
 
 
 def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None) -> dict[str, Any]:
+    if cfg.task not in _TASKS and cfg.task in _TASK_MODULES:
+        importlib.import_module(_TASK_MODULES[cfg.task])
     if cfg.task not in _TASKS:
-        raise ValueError(f"unknown task {cfg.task!r}; choose one of {sorted(_TASKS)}")
+        raise ValueError(f"unknown task {cfg.task!r}; choose one of {sorted(set(_TASKS) | set(_TASK_MODULES))}")
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,12 +82,16 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
     for step in metrics.steps:
         logger.log(step, step=step["step"])
     summary = metrics.summary()
+    eplb = llm.engine.eplb.summary() if llm.engine.eplb is not None else None  # MoE models only
+    if eplb is not None:
+        summary.update({f"eplb_{k}": v for k, v in eplb.items() if isinstance(v, int | float | str | bool)})
     info = llm.engine.info
     results = {
         "summary": summary,
         "model": {"path": info.path, "dtype": str(info.dtype), "num_kv_blocks": llm.engine.num_blocks},
         "workload": {"kind": w["kind"], "num_requests": len(workload.prompts), "hash": workload.source_hash},
         "config": OmegaConf.to_container(cfg, resolve=True),
+        "eplb": eplb,
         "env": environment(info.device),
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")

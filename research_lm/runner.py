@@ -59,7 +59,8 @@ class ModelRunner:
         self.cache_layers += list(getattr(proposer, "cache_layers", []))
         self.backends = list({layer.backend.name: layer.backend for layer in self.cache_layers}.values())
         self.max_num_seqs = max_num_seqs
-        max_blocks_per_req = -(-max_model_len // block_size)
+        # A drafter's lookahead slots may reach past max_model_len.
+        max_blocks_per_req = -(-(max_model_len + getattr(proposer, "num_lookahead_tokens", 0)) // block_size)
         self.buffers = StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_req, device)
         self.rows = RequestRows(max_num_seqs)
         self.sampler = Sampler()

@@ -12,6 +12,7 @@ the logits well above fp32 noise. Shapes: hidden 64, 4 heads of 16, 2 KV heads, 
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,10 @@ import torch
 
 # Tests run tiny ops in parallel pytest workers: intra-op threads only add spin-wait overhead.
 torch.set_num_threads(1)
+# Without CUDA every Triton kernel runs in the interpreter; set before any test module defines a
+# kernel (triton.jit reads it at decoration time), whichever module pytest imports first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_SHAPE: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -61,6 +66,38 @@ TINY_MODELS: dict[str, TinyModel] = {
     "qwen3-layer-types": TinyModel("Qwen3Config", dict(
         use_sliding_window=True, sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention"])),
+    # Mamba2: 8 SSM heads of 16 (expand 2), state 16, conv 4; SSD chunks of 8 so prompts span several. One
+    # B/C group, like Mamba2-2.7B and Bamba-9B (transformers < 5.2x normalizes the gated norm over all groups).
+    "mamba2": TinyModel("Mamba2Config", dict(
+        num_heads=8, head_dim=16, expand=2, n_groups=1, state_size=16, conv_kernel=4, chunk_size=8)),
+    # Bamba: Mamba2 layers 0 and 2, attention (half-rotary GQA) at layer 1, a SwiGLU MLP in every layer
+    "bamba": TinyModel("BambaConfig", dict(
+        num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,
+        mamba_d_conv=4, mamba_chunk_size=8)),
+    # MLA: 4 heads, latent 32 + rope 8, nope 16, v 12 (!= nope); every layer dense (first_k_dense_replace).
+    # V3 keeps an explicit head_dim (TINY_SHAPE: 16) as its RoPE size: set it to qk_rope_head_dim.
+    "deepseek-v2": TinyModel("DeepseekV2Config", dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, first_k_dense_replace=2, attention_bias=True, mlp_bias=True)),
+    "deepseek-v2-no-q-lora": TinyModel("DeepseekV2Config", dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, first_k_dense_replace=2)),
+    "deepseek-v3": TinyModel("DeepseekV3Config", dict(
+        head_dim=8, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, first_k_dense_replace=2, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+            mscale=1.0, mscale_all_dim=0.8, beta_fast=32.0, beta_slow=1.0))),
+    "deepseek-v3-no-interleave": TinyModel("DeepseekV3Config", dict(
+        head_dim=8, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, first_k_dense_replace=3, num_hidden_layers=3, rope_interleave=False)),
+    # MoE: 8 experts, top-2. Mixtral renormalises the top-k; Qwen2-MoE adds a gated shared expert and
+    # keeps layer 1 dense (mlp_only_layers); Qwen3-MoE renormalises (norm_topk_prob) and has q/k norms.
+    "mixtral": TinyModel("MixtralConfig", dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2-moe": TinyModel("Qwen2MoeConfig", dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3-moe": TinyModel("Qwen3MoeConfig", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
 }
 
 

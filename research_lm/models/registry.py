@@ -13,6 +13,13 @@ _MODEL_MODULES: dict[str, str] = {
     "MistralForCausalLM": "research_lm.models.llama",
     "Qwen2ForCausalLM": "research_lm.models.llama",
     "Qwen3ForCausalLM": "research_lm.models.llama",
+    "Mamba2ForCausalLM": "research_lm.models.mamba2",
+    "BambaForCausalLM": "research_lm.models.bamba",
+    "DeepseekV2ForCausalLM": "research_lm.models.deepseek",
+    "DeepseekV3ForCausalLM": "research_lm.models.deepseek",
+    "MixtralForCausalLM": "research_lm.models.mixtral",
+    "Qwen2MoeForCausalLM": "research_lm.models.qwen_moe",
+    "Qwen3MoeForCausalLM": "research_lm.models.qwen_moe",
 }
 _MODELS: dict[str, type[nn.Module]] = {}
 
