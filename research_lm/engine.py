@@ -83,11 +83,20 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0),
+            sliding_window=self._shared_sliding_window(),
         )
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
         self._rejected: list[Request] = []  # failed validation: reported at the next step
         self._prompt_text: dict[str, str] = {}  # request id -> the prompt string, when one was given
+
+    def _shared_sliding_window(self) -> int | None:
+        """The window, if every layer reading the block table uses the same one: then blocks that fall
+        wholly out of it go back to the pool (the drafter's layers count: they share the table)."""
+        windows = {layer.spec.sliding_window if layer.spec.kind == "attention" else -1
+                   for layer in self.runner.cache_layers}
+        window = windows.pop() if len(windows) == 1 else None
+        return window if window is not None and window > 0 else None
 
     def _eos_token_id(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)

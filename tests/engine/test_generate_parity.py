@@ -65,3 +65,16 @@ def test_sliding_window_sequences_longer_than_window(tiny_checkpoint):
     prompts = [list(range(5, 45)), list(range(100, 123))]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(path, prompts, 20)
+
+
+def test_blocks_out_of_the_window_return_to_the_pool(tiny_checkpoint):
+    """Mistral (window 8, every layer): a 60-token sequence never holds more than the window's blocks
+    plus one step's worth, and greedy output is unchanged by the freeing."""
+    path = tiny_checkpoint("mistral")
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8, max_model_len=64)
+    assert llm.engine.scheduler.sliding_window == 8
+    prompt = list(range(7, 47))
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == _hf_greedy(path, [prompt], 20)[0]
+    peak_blocks = max(s["kv_cache_usage"] for s in llm.engine.metrics.steps) * (llm.engine.num_blocks - 1)
+    assert round(peak_blocks) <= (8 + 8) // 4 + 2  # vs 15 blocks for 60 tokens without freeing
