@@ -76,7 +76,8 @@ class LLMEngine:
         # after the KV sizing (its profiling forward must not count as expert load)
         self.eplb = build_eplb_controller(self.model, config.eplb_config)
         self.kv_cache = KVCacheManager(
-            self.num_blocks, config.block_size, config.enable_prefix_caching and not has_state
+            self.num_blocks, config.block_size, config.enable_prefix_caching and not has_state,
+            recompute_last_hit_block=getattr(proposer, "needs_last_hit_block_recomputed", False),
         )
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs,

@@ -145,11 +145,17 @@ class KVCacheManager:
     `allocate_slots` asked for); entry i holds tokens [i * block_size, (i + 1) * block_size).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        recompute_last_hit_block: bool = False,
+    ) -> None:
+        """`recompute_last_hit_block`: EAGLE heads cache, at position p, a row that depends on the token
+        at p + 1, which lies past a cache hit; dropping the last hit block recomputes those rows."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_blocks: dict[str, list[int]] = {}
@@ -191,6 +197,8 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.recompute_last_hit_block and hits:
+            hits.pop()
         return hits, len(hits) * self.block_size
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

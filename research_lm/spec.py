@@ -42,7 +42,8 @@ class Proposal:
 class Proposer(Protocol):
     """Optional attributes the runner/engine read with getattr: `cache_layers` (the drafter's
     `CacheLayer`s, allocated with the target's and sharing its block tables) and
-    `num_lookahead_tokens` (KV slots the drafter writes past the verified tokens)."""
+    `num_lookahead_tokens` (KV slots the drafter writes past the verified tokens) and
+    `needs_last_hit_block_recomputed` (its cached rows depend on the token after them: EAGLE)."""
 
     num_speculative_tokens: int
     # Target layers whose input residual streams the proposer consumes (EAGLE-3); () for none.

@@ -1,0 +1,138 @@
+"""A smaller model of the same vocabulary drafts k tokens autoregressively with its own paged KV cache.
+
+The draft's attention layers are exposed as `cache_layers`: the runner allocates them beside the
+target's, in the same blocks (one budget, one block table), so the draft's KV for position p lives
+at the target's slot for p. Each step, per request:
+
+1. Catch up: feed the tokens at positions [valid, n] (x[n] the newest token), where `valid` counts
+   the positions whose draft KV is known right: those fed before, extended over the drafts this
+   step accepted (a fed draft d at position p is right iff the token now at p is d). Positions
+   past `valid` hold rejected drafts and are overwritten now. A request the runner has not seen
+   (new, or preempted and re-admitted) starts at the target's computed tokens, as does one whose
+   computed tokens reset to 0: prefix-cache blocks hold the draft's KV too, since every position
+   the target computed, the draft computed in the same step.
+2. Draft: the logits at x[n] give d1; feed d1 at n+1, ..., d(k-1) at n+k-1 (`num_lookahead_tokens`
+   = k slots past the verified tokens). Greedy requests take argmaxes; sampling requests draw from
+   their processed draft distribution q and return it (`Proposal.probs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from research_lm.models.base import CheckpointError
+from research_lm.models.loader import load_model
+from research_lm.request import Request
+from research_lm.spec import Proposal, StepOutcome
+from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
+
+_PAGED_KINDS = ("attention", "mla")
+
+
+class DraftModelProposer:
+    """`research_lm.spec.Proposer` over any causal LM the engine can load."""
+
+    aux_hidden_state_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: nn.Module, *, num_speculative_tokens: int, vocab_size: int, max_model_len: int):
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.model = model
+        self.cache_layers = cache_layers_of(model)
+        stateful = sorted({layer.spec.kind for layer in self.cache_layers} - set(_PAGED_KINDS))
+        if stateful:
+            raise ValueError(
+                f"draft_model needs a drafter whose layers all keep paged KV; this one has {stateful} layers, "
+                "whose per-request state cannot roll back rejected drafts"
+            )
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # request id -> (positions [0, valid) whose draft KV is right, drafts fed at valid, valid+1, ...)
+        self._fed: dict[str, tuple[int, list[int]]] = {}
+
+    def _valid(self, req: Request, emitted: list[int], computed: int) -> int:
+        state = self._fed.get(req.request_id)
+        if state is None or computed == 0:
+            return computed
+        valid, fed = state
+        accepted = token_span(req, emitted, valid, valid + len(fed))
+        j = 0
+        while j < len(accepted) and accepted[j] == fed[j]:
+            j += 1
+        return valid + j
+
+    def _forward(self, ids: list[int] | torch.Tensor, positions: torch.Tensor, md: dict[str, Any]) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.int64, device=positions.device)
+        out = self.model(ids, positions, md)
+        return out[0] if isinstance(out, tuple) else out  # [T, H]
+
+    def propose(self, outcome: StepOutcome) -> Proposal:
+        reqs, emitted = outcome.requests, outcome.emitted
+        drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
+        computed = outcome.common.num_computed_tokens_cpu.tolist()
+        seq_lens = outcome.common.seq_lens_cpu.tolist()
+        batch_rows, starts, lens, tokens = [], [], [], []
+        newest: dict[int, int] = {}  # batch row -> n, the newest token's position
+        for i, (req, e) in enumerate(zip(reqs, emitted, strict=True)):
+            valid = self._valid(req, e, computed[i])
+            if e:  # recompute x[n] at least: its logits give the first draft
+                newest[i] = req.num_tokens + len(e) - 1
+                valid, end = min(valid, newest[i]), newest[i] + 1
+            else:  # a prompt chunk: the target computed up to seq_len
+                end = seq_lens[i]
+            if end > valid:
+                batch_rows.append(i)
+                starts.append(valid)
+                lens.append(end - valid)
+                tokens += token_span(req, e, valid, end)
+            self._fed[req.request_id] = (max(valid, end), [])
+        if not batch_rows:
+            return drafting.proposal(reqs)
+        positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
+        hidden = self._forward(tokens, positions, md)
+        if not drafting.index:
+            return drafting.proposal(reqs)
+
+        row_in_batch = {i: r for r, i in enumerate(batch_rows)}
+        ends = torch.tensor(lens).cumsum(0) - 1
+        last = ends[[row_in_batch[i] for i in drafting.index]].to(positions.device)
+
+        def step(rows, positions, ids, _):
+            positions, md = draft_metadata(outcome.common, rows, positions, [1] * len(ids), self.cache_layers)
+            return self.model.compute_logits(self._forward(ids, positions, md)), None
+
+        last_pos = [newest[i] for i in drafting.index]
+        drafting.chain(self.model.compute_logits(hidden[last]), last_pos, self.vocab_size, step)
+        for i, req, toks in zip(drafting.index, drafting.requests, drafting.tokens, strict=True):
+            self._fed[req.request_id] = (newest[i] + 1, toks[:-1])  # d(k) was never fed
+        return drafting.proposal(reqs)
+
+    def on_requests_removed(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._fed.pop(req_id, None)
+
+
+def build_proposer(speculative_config: dict[str, Any], engine: Any) -> DraftModelProposer:
+    path = head_dir(speculative_config, "draft_model")
+    k = speculative_config.get("num_speculative_tokens")
+    if k is None:
+        raise ValueError("speculative_config for 'draft_model' needs num_speculative_tokens")
+    c = engine.config
+    model, hf_config = load_model(
+        path, device=engine.info.device, dtype=engine.info.dtype, attention_backend=c.attention_backend,
+        trust_remote_code=c.trust_remote_code, extra={**c.model_extra(), "eplb": None},
+    )
+    if hf_config.vocab_size < engine.info.vocab_size:
+        raise CheckpointError(
+            f"draft model {path} has a vocabulary of {hf_config.vocab_size} tokens, smaller than the target's "
+            f"{engine.info.vocab_size}: it must share the target's tokenizer"
+        )
+    return DraftModelProposer(
+        model, num_speculative_tokens=int(k), vocab_size=engine.info.vocab_size,
+        max_model_len=engine.info.max_model_len,
+    )

@@ -1,0 +1,433 @@
+"""EAGLE-1 and EAGLE-3 draft heads in their published checkpoint layouts, and their proposer.
+
+Both heads predict the token after next from (token, feature) pairs shifted by one: the row at
+position t reads embed(x[t+1]) and the target's feature at t, writes its KV at t's slot, and its
+output at the last row gives the logits of x[t+2]. Chained drafting feeds each draft back with the
+head's own output as the next feature (Li et al. 2024, arXiv 2401.15077 and 2503.01840).
+
+EAGLE-1 (`yuhuili/EAGLE-*`: config.json + pytorch_model.bin; SafeAILab/EAGLE `eagle/model/cnets1.py`):
+    fc.weight [H, 2H] (+ fc.bias, present unless config.json says "bias": false),
+    layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.mlp.{gate,up,down}_proj.weight,
+    layers.{i}.post_attention_layernorm.weight, layers.{i}.input_layernorm.weight for i >= 1 only,
+    embed_tokens.weight optional (else the target's). No lm_head: the target's.
+    f = fc([embed(x[t+1]); h_t]) -> decoder layers (layer 0 without input norm) -> f + residual
+    (no final norm: it regresses the target's normed feature); logits = target lm_head(f).
+    The feature h_t is the target's final (normed) hidden state.
+
+EAGLE-3 (`yuhuili/EAGLE3-*`; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, vLLM `llama_eagle3.py`):
+    fc.weight [H, 3 H_target], midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
+    midlayer.self_attn.{q,k,v}_proj.weight [*, 2H], midlayer.self_attn.o_proj.weight,
+    midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [draft_vocab, H],
+    d2t [draft_vocab] int64 (target id = draft id + d2t[draft id]), t2d [vocab] bool; embed_tokens
+    optional. config.json: `draft_vocab_size`, optionally `eagle_aux_hidden_state_layer_ids`,
+    `target_hidden_size`, `norm_before_residual`. As in vLLM, a head without lm_head / d2t drafts over
+    the full vocabulary with the target's lm_head.
+    g_t = fc([a_t; b_t; c_t]) from three target residual streams (vLLM indexing: id i = the stream
+    entering layer i; default (2, L // 2, L - 3)); the midlayer attends over
+    [input_layernorm(embed(x[t+1])); hidden_norm(g_t)], keeps g_t as its residual, and returns the
+    pre-norm stream, which is both the next step's feature and, through norm + lm_head + d2t, the
+    draft logits.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, is_rotary_buffer, load_params
+from research_lm.models.layers import (
+    GatedMLP,
+    Linear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    compute_logits,
+    rope_parameters,
+)
+from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
+from research_lm.spec import Proposal, StepOutcome
+from spec_decode.heads import (
+    cache_layers_of,
+    check_names,
+    check_shape,
+    draft_metadata,
+    expected_checkpoint_names,
+    head_dir,
+    llama_like_config,
+    read_head_tensors,
+    read_json_config,
+    start_drafting,
+    token_span,
+)
+
+
+def _variant(tensors: dict[str, torch.Tensor], prefix: str) -> LlamaVariant:
+    """Biases are whatever the checkpoint holds (Qwen-style heads carry q/k/v biases)."""
+    return LlamaVariant(
+        qkv_bias=f"{prefix}.self_attn.q_proj.bias" in tensors,
+        o_bias=f"{prefix}.self_attn.o_proj.bias" in tensors,
+        mlp_bias=f"{prefix}.mlp.gate_proj.bias" in tensors,
+    )
+
+
+def _rotary(cfg: SimpleNamespace) -> RotaryEmbedding:
+    return RotaryEmbedding(head_size(cfg), rope_parameters(cfg), cfg.max_position_embeddings)
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1: fc over [embedding; target feature], Llama decoder layers, the target's lm_head."""
+
+    def __init__(self, cfg: SimpleNamespace, build: ModelBuildContext, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        hidden = cfg.hidden_size
+        with build_scope(build):
+            self.fc = Linear(2 * hidden, hidden, bias="fc.bias" in tensors)
+            self.layers = nn.ModuleList(
+                LlamaDecoderLayer(cfg, _variant(tensors, f"layers.{i}"), None, build)
+                for i in range(cfg.num_hidden_layers)
+            )
+            self.embed_tokens = (
+                VocabParallelEmbedding(cfg.vocab_size, hidden) if "embed_tokens.weight" in tensors else None
+            )
+            self.rotary_emb = _rotary(cfg)
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1 skips the first layer's input norm
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [T, H] embedding of x[t+1]
+        features: torch.Tensor,  # [T, H] target (or previous draft) feature at t
+        positions: torch.Tensor,  # [T] int64
+        attn_metadata: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (feature for the lm_head, feature for the next step), [T, H]
+        hidden = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+        rope = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rope, attn_metadata)
+        out = hidden + residual
+        return out, out
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 midlayer: attention over [norm(embedding); norm(fused feature)] (2H wide)."""
+
+    def __init__(self, cfg: SimpleNamespace, variant: LlamaVariant, build: ModelBuildContext):
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = LlamaAttention(cfg, variant, None, build)
+        attn = self.self_attn
+        attn.qkv_proj = QKVParallelLinear(
+            2 * hidden, attn.head_size, attn.num_heads, attn.num_kv_heads, variant.qkv_bias
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, variant.mlp_bias)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [T, H]
+        features: torch.Tensor,  # [T, H]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output, residual); the stream is their sum
+        if self.norm_before_residual:
+            features = self.hidden_norm(features)
+            residual = features
+        else:
+            residual = features
+            features = self.hidden_norm(features)
+        hidden = torch.cat([self.input_layernorm(embeds), features], dim=-1)
+        hidden = self.self_attn(hidden, rope, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3: fuse target aux streams with fc, one midlayer, own norm + lm_head over a draft vocab."""
+
+    def __init__(
+        self, cfg: SimpleNamespace, build: ModelBuildContext, tensors: dict[str, torch.Tensor],
+        fc_input_size: int, draft_vocab_size: int, target_vocab_size: int,
+    ):
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.target_vocab_size = target_vocab_size
+        with build_scope(build):
+            self.fc = Linear(fc_input_size, hidden, bias="fc.bias" in tensors)
+            self.midlayer = Eagle3Layer(cfg, _variant(tensors, "midlayer"), build)
+            self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+            # None: the head shares the target's lm_head (full vocabulary, no d2t)
+            self.lm_head = ParallelLMHead(draft_vocab_size, hidden) if "lm_head.weight" in tensors else None
+            self.embed_tokens = (
+                VocabParallelEmbedding(cfg.vocab_size, hidden) if "embed_tokens.weight" in tensors else None
+            )
+            self.rotary_emb = _rotary(cfg)
+        # draft id -> target id; filled from the checkpoint's d2t offsets
+        self.register_buffer("draft_to_target", torch.arange(draft_vocab_size, device=build.device))
+
+    def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:  # per aux layer [T, H_target] -> [T, H]
+        return self.fc(torch.cat(aux, dim=-1))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [T, H]
+        features: torch.Tensor,  # [T, H] fused target feature, or the previous step's pre-norm output
+        positions: torch.Tensor,  # [T] int64
+        attn_metadata: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed output for the lm_head, pre-norm output), [T, H]
+        hidden, residual = self.midlayer(embeds, features.to(embeds.dtype), self.rotary_emb(positions), attn_metadata)
+        normed, prenorm = self.norm(hidden, residual)
+        return normed, prenorm
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, target vocab] fp32
+        """Draft-vocab logits scattered to their target ids; tokens outside the draft vocab get -inf."""
+        draft_logits = compute_logits(self.lm_head, hidden)  # [n, draft_vocab]
+        out = draft_logits.new_full((hidden.shape[0], self.target_vocab_size), float("-inf"))
+        out[:, self.draft_to_target] = draft_logits
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The proposer
+
+
+class EagleProposer:
+    """`research_lm.spec.Proposer` over an EAGLE / EAGLE-3 head with its own paged KV cache.
+
+    Each step the head first recomputes its rows for every position the target verified this step
+    (c .. n-1, where c = the target's computed tokens before the step and x[n] the newest token),
+    overwriting whatever drafting wrote there last step; so after partial acceptance, preemption
+    (the target restarts at c = 0 or a prefix hit) or a prefill chunk, the head's KV below the
+    target's computed tokens is exactly what the target's features give. Then up to k - 1 chained
+    single-token steps at positions n, n+1, ... (the scheduler's lookahead slots).
+    """
+
+    def __init__(
+        self, head: EagleHead | Eagle3Head, target: nn.Module, *, num_speculative_tokens: int,
+        vocab_size: int, max_model_len: int, aux_hidden_state_layers: tuple[int, ...] = (),
+    ):
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.head = head
+        self.target = target
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_speculative_tokens - 1  # chained rows at n .. n+k-2
+        # The head's row at p reads the token at p + 1: a prefix-cache hit must leave its last block
+        # to be recomputed, or that row keeps the token of whichever request cached it.
+        self.needs_last_hit_block_recomputed = True
+        self.aux_hidden_state_layers = aux_hidden_state_layers
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.cache_layers = cache_layers_of(head)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        embed = self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
+        return embed(ids)
+
+    def _features(self, outcome: StepOutcome, rows: torch.Tensor) -> torch.Tensor:  # rows [T] -> [T, H]
+        if isinstance(self.head, Eagle3Head):
+            return self.head.fuse([aux[rows] for aux in outcome.aux_hidden_states])
+        return outcome.hidden_states[rows]
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, vocab] fp32
+        if isinstance(self.head, Eagle3Head) and self.head.lm_head is not None:
+            return self.head.compute_logits(out)
+        return self.target.compute_logits(out)
+
+    def propose(self, outcome: StepOutcome) -> Proposal:
+        reqs, emitted = outcome.requests, outcome.emitted
+        drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
+        qsl = outcome.query_start_loc_cpu.tolist()
+        computed = outcome.common.num_computed_tokens_cpu.tolist()
+        # Rows (x[t+1], feature_t) for the verified positions t = c .. end-1 of every request.
+        batch_rows, starts, lens, tokens, feature_rows = [], [], [], [], []
+        for i, (req, e) in enumerate(zip(reqs, emitted, strict=True)):
+            c = computed[i]
+            count = req.num_tokens + len(e) - 1 - c if e else qsl[i + 1] - qsl[i]
+            batch_rows.append(i)
+            starts.append(c)
+            lens.append(count)
+            tokens += token_span(req, e, c + 1, c + 1 + count)
+            feature_rows += range(qsl[i], qsl[i] + count)
+        device = outcome.common.block_table.device
+        positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        features = self._features(outcome, torch.tensor(feature_rows, dtype=torch.int64, device=device))
+        out, hidden = self.head(self._embed(ids), features, positions, md)
+        if not drafting.index:
+            return drafting.proposal(reqs)
+
+        last = (torch.tensor(lens).cumsum(0) - 1)[drafting.index].to(device)  # each request's last row
+
+        def step(batch_rows, positions, ids, features):
+            positions, md = draft_metadata(outcome.common, batch_rows, positions, [1] * len(ids), self.cache_layers)
+            out, features = self.head(self._embed(ids), features, positions, md)
+            return self._logits(out), features
+
+        last_pos = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
+        drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last])
+        return drafting.proposal(reqs)
+
+    def on_requests_removed(self, req_ids: set[str]) -> None:
+        pass  # no per-request state: each step recomputes from the target's computed tokens
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _num_speculative_tokens(speculative_config: dict[str, Any], method: str) -> int:
+    k = speculative_config.get("num_speculative_tokens")
+    if k is None:
+        raise ValueError(f"speculative_config for {method!r} needs num_speculative_tokens")
+    return int(k)
+
+
+def _build_context(engine: Any) -> ModelBuildContext:
+    return ModelBuildContext(engine.info.device, engine.info.dtype, engine.config.attention_backend)
+
+
+def _load(head: nn.Module, tensors: dict[str, torch.Tensor], what: str, ignorable: set[str]) -> None:
+    check_names(what, tensors, expected_checkpoint_names(head, STACKED_PARAMS), ignorable)
+    weights = ((n, t) for n, t in tensors.items() if n not in ignorable)
+    with torch.no_grad():
+        load_params(head, weights, STACKED_PARAMS)
+    head.requires_grad_(False)
+    head.eval()
+
+
+def _check_common(what: str, cfg: SimpleNamespace, tensors: dict[str, torch.Tensor], engine: Any) -> None:
+    target_vocab = engine.info.vocab_size
+    if cfg.vocab_size != target_vocab:
+        raise CheckpointError(
+            f"{what} was made for a vocabulary of {cfg.vocab_size} tokens (config.json vocab_size), "
+            f"but the target has {target_vocab}"
+        )
+    if "embed_tokens.weight" in tensors:
+        check_shape(what, "embed_tokens.weight", tensors["embed_tokens.weight"], (target_vocab, cfg.hidden_size),
+                    "vocab x hidden size")
+    elif cfg.hidden_size != engine.hf_config.hidden_size:
+        raise CheckpointError(
+            f"{what} has hidden_size {cfg.hidden_size} but no embed_tokens of its own, and the target's "
+            f"embeddings are {engine.hf_config.hidden_size} wide"
+        )
+
+
+def build_eagle_proposer(speculative_config: dict[str, Any], engine: Any) -> EagleProposer:
+    path = head_dir(speculative_config, "eagle")
+    what = f"EAGLE head {path}"
+    cfg = llama_like_config(read_json_config(path), path)
+    tensors = read_head_tensors(path)
+    if "midlayer.self_attn.q_proj.weight" in tensors or "d2t" in tensors:
+        raise CheckpointError(f"{what} is in the EAGLE-3 layout (midlayer.*, d2t): use method 'eagle3'")
+    target_hidden = engine.hf_config.hidden_size
+    if cfg.hidden_size != target_hidden:
+        raise CheckpointError(
+            f"{what} has hidden_size {cfg.hidden_size} (config.json), but the target's hidden size is {target_hidden}"
+        )
+    _check_common(what, cfg, tensors, engine)
+    if "fc.weight" in tensors:
+        check_shape(what, "fc.weight", tensors["fc.weight"], (cfg.hidden_size, 2 * target_hidden),
+                    "hidden x [embedding; target feature]")
+    head = EagleHead(cfg, _build_context(engine), tensors)
+    _load(head, tensors, what, {n for n in tensors if is_rotary_buffer(n)})
+    return EagleProposer(
+        head, engine.model, num_speculative_tokens=_num_speculative_tokens(speculative_config, "eagle"),
+        vocab_size=engine.info.vocab_size, max_model_len=engine.info.max_model_len,
+    )
+
+
+def eagle3_aux_layers(
+    speculative_config: dict[str, Any], head_config: dict[str, Any], num_layers: int
+) -> tuple[int, ...]:
+    """Target layers whose input streams EAGLE-3 fuses: the speculative_config's or head config's
+    `eagle_aux_hidden_state_layer_ids`, else vLLM's default (2, L // 2, L - 3)."""
+    ids = speculative_config.get("eagle_aux_hidden_state_layer_ids") or head_config.get(
+        "eagle_aux_hidden_state_layer_ids"
+    ) or (head_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    source = "eagle_aux_hidden_state_layer_ids"
+    if not ids:
+        ids, source = (2, num_layers // 2, num_layers - 3), f"the default (2, L // 2, L - 3) for L = {num_layers}"
+    ids = tuple(int(i) for i in ids)
+    if len(set(ids)) != len(ids) or not all(0 <= i <= num_layers for i in ids):
+        raise ValueError(
+            f"EAGLE-3 aux layers {ids} from {source} must be distinct and in [0, {num_layers}] for a target of "
+            f"{num_layers} layers; set eagle_aux_hidden_state_layer_ids in speculative_config or the head's config.json"
+        )
+    return ids
+
+
+def _draft_vocab_map(
+    what: str, tensors: dict[str, torch.Tensor], draft_vocab: int, target_vocab: int
+) -> torch.Tensor:  # [draft_vocab] int64: the target id of each draft id
+    """d2t as target ids, checked: in range, one-to-one, and marked by t2d when the head ships it."""
+    if "d2t" not in tensors:
+        if draft_vocab != target_vocab:
+            raise CheckpointError(f"{what} has draft_vocab_size {draft_vocab} != vocab_size {target_vocab} but no d2t")
+        return torch.arange(draft_vocab)
+    d2t = tensors["d2t"]
+    check_shape(what, "d2t", d2t, (draft_vocab,), "one target-id offset per draft token")
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise CheckpointError(f"{what}: d2t has dtype {d2t.dtype}, expected integer offsets")
+    mapped = torch.arange(draft_vocab) + d2t.long()
+    if mapped.min() < 0 or mapped.max() >= target_vocab or mapped.unique().numel() != draft_vocab:
+        raise CheckpointError(
+            f"{what}: d2t maps draft ids outside the target vocabulary [0, {target_vocab}) or onto one id twice"
+        )
+    if "t2d" in tensors:
+        check_shape(what, "t2d", tensors["t2d"], (target_vocab,), "one flag per target token")
+        expect = torch.zeros(target_vocab, dtype=torch.bool)
+        expect[mapped] = True
+        if not torch.equal(tensors["t2d"].bool(), expect):
+            raise CheckpointError(f"{what}: t2d does not mark exactly the target ids that d2t maps to")
+    return mapped
+
+
+def build_eagle3_proposer(speculative_config: dict[str, Any], engine: Any) -> EagleProposer:
+    path = head_dir(speculative_config, "eagle3")
+    what = f"EAGLE-3 head {path}"
+    raw = read_json_config(path)
+    cfg = llama_like_config(raw, path)
+    tensors = read_head_tensors(path)
+    if "fc.weight" not in tensors or not any(n.startswith("midlayer.") for n in tensors):
+        raise CheckpointError(f"{what} has no fc.weight / midlayer.*: not an EAGLE-3 checkpoint "
+                              "(EAGLE-1 heads use method 'eagle')")
+    if cfg.num_hidden_layers != 1:
+        raise CheckpointError(
+            f"{what}: num_hidden_layers is {cfg.num_hidden_layers}; the published layout has one midlayer"
+        )
+    _check_common(what, cfg, tensors, engine)
+    target_vocab, target_hidden = engine.info.vocab_size, engine.hf_config.hidden_size
+    head_target_hidden = raw.get("target_hidden_size") or cfg.hidden_size
+    if head_target_hidden != target_hidden:
+        raise CheckpointError(
+            f"{what} fuses target features of size {head_target_hidden} (config.json "
+            f"{'target_hidden_size' if raw.get('target_hidden_size') else 'hidden_size'}), "
+            f"but the target's hidden size is {target_hidden}"
+        )
+    aux = eagle3_aux_layers(speculative_config, raw, engine.hf_config.num_hidden_layers)
+    check_shape(what, "fc.weight", tensors["fc.weight"], (cfg.hidden_size, len(aux) * target_hidden),
+                f"hidden x {len(aux)} fused target layers of size {target_hidden}")
+    draft_vocab = int(raw.get("draft_vocab_size") or target_vocab)
+    own_lm_head = "lm_head.weight" in tensors
+    if own_lm_head:
+        check_shape(what, "lm_head.weight", tensors["lm_head.weight"], (draft_vocab, cfg.hidden_size),
+                    "draft_vocab_size x hidden size")
+    elif draft_vocab != target_vocab or cfg.hidden_size != target_hidden:
+        raise CheckpointError(f"{what} has no lm_head.weight, and the target's lm_head does not fit its "
+                              f"draft vocabulary ({draft_vocab}) or hidden size ({cfg.hidden_size})")
+    mapped = _draft_vocab_map(what, tensors, draft_vocab, target_vocab)
+    head = Eagle3Head(cfg, _build_context(engine), tensors, len(aux) * target_hidden, draft_vocab, target_vocab)
+    _load(head, tensors, what, {"d2t", "t2d"} | {n for n in tensors if is_rotary_buffer(n)})
+    head.draft_to_target.copy_(mapped)
+    return EagleProposer(
+        head, engine.model, num_speculative_tokens=_num_speculative_tokens(speculative_config, "eagle3"),
+        vocab_size=target_vocab, max_model_len=engine.info.max_model_len, aux_hidden_state_layers=aux,
+    )

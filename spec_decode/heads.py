@@ -1,0 +1,316 @@
+"""What the model-based proposers share: reading published head checkpoints, draft batches over the
+target's block tables, and picking draft tokens (greedy, or sampled with their q).
+
+Checkpoints are data: `config.json` is read as JSON, weights through `research_lm.models.loader`
+(safetensors, or pickles through `torch.load(..., weights_only=True)` only). Every problem raises
+`CheckpointError` with a sentence naming the file, tensor or size that is wrong.
+
+Draft batches. A drafter with its own paged KV (draft model, EAGLE head) writes at the same slots
+as the target: request i of a draft batch is row `batch_rows[i]` of the step's block table, and its
+tokens sit at positions `starts[i] .. starts[i] + lens[i] - 1`. The scheduler allocated those
+slots (`num_lookahead_tokens` past the verified tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from attention_zoo import CacheLayer, CommonAttentionMetadata
+from research_lm import rng
+from research_lm.models.base import CheckpointError
+from research_lm.models.loader import checkpoint_files, iter_checkpoint, resolve_model_path
+from research_lm.request import Request
+from research_lm.sampler import SamplingBatch, SamplingRow, probs_from_processed, process_logits, random_sample
+from research_lm.spec import Proposal
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoint reading
+
+
+def head_dir(speculative_config: dict[str, Any], method: str) -> Path:
+    """The directory `speculative_config["model"]` names (an existing path or a built-in name)."""
+    name = speculative_config.get("model")
+    if not name:
+        raise ValueError(f"speculative_config for {method!r} needs 'model': the directory of the {method} checkpoint")
+    path = resolve_model_path(name)
+    if not path.is_dir():
+        raise CheckpointError(f"{method} checkpoint {path} is not a directory")
+    return path
+
+
+def read_json_config(path: Path) -> dict[str, Any]:
+    f = path / "config.json"
+    try:
+        cfg = json.loads(f.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} has no config.json") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {f}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f} does not hold a JSON object")
+    return cfg
+
+
+def read_tensors(files: Sequence[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of the weight files (heads are small), on CPU. Pickles: weights-only."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_checkpoint(list(files)):
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(
+                f"{files[0].parent}: entry {name!r} is a {type(tensor).__name__}, not a tensor: "
+                "expected a flat name -> tensor state dict"
+            )
+        out[name] = tensor
+    return out
+
+
+def read_head_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A head directory's weights: safetensors (single or indexed), else pytorch_model*.bin."""
+    return read_tensors(checkpoint_files(path))
+
+
+def llama_like_config(cfg: dict[str, Any], where: Path) -> SimpleNamespace:
+    """The attributes our Llama layers read, from a head's raw config.json, with transformers' defaults."""
+    required = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [k for k in required if cfg.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{where / 'config.json'} lacks {missing}")
+    ns = SimpleNamespace(**cfg)
+    ns.num_key_value_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    ns.head_dim = cfg.get("head_dim")
+    ns.num_hidden_layers = cfg.get("num_hidden_layers", 1)
+    ns.rms_norm_eps = cfg.get("rms_norm_eps", 1e-6)
+    ns.hidden_act = cfg.get("hidden_act", "silu")
+    ns.max_position_embeddings = cfg.get("max_position_embeddings", 2048)
+    ns.rope_theta = cfg.get("rope_theta", 10000.0)
+    if cfg.get("rope_parameters") is None:
+        ns.rope_parameters = None  # rope_parameters() then reads rope_theta + rope_scaling
+        ns.rope_scaling = cfg.get("rope_scaling")
+    return ns
+
+
+def expected_checkpoint_names(module: nn.Module, stacked: Iterable[tuple[str, str, Any]] = ()) -> set[str]:
+    """The checkpoint tensor names `module` takes: its parameter names with stacked projections
+    (qkv_proj, gate_up_proj) split back into their checkpoint parts (q_proj, k_proj, ...)."""
+    names = set()
+    for name, _ in module.named_parameters():
+        parts = [(param, ckpt) for param, ckpt, _ in stacked if f".{param}." in name]
+        names.update(name.replace(f".{param}.", f".{ckpt}.", 1) for param, ckpt in parts)
+        if not parts:
+            names.add(name)
+    return names
+
+
+def check_names(
+    what: str, tensors: dict[str, torch.Tensor], expected: set[str], ignorable: Iterable[str] = ()
+) -> None:
+    """Refuse a checkpoint that lacks a tensor the head needs, or holds one no part of it takes."""
+    names = set(tensors) - set(ignorable)
+    missing, unexpected = sorted(expected - names), sorted(names - expected)
+    if missing:
+        raise CheckpointError(f"{what} lacks {len(missing)} tensors it needs, e.g. {missing[:5]}")
+    if unexpected:
+        raise CheckpointError(
+            f"{what} holds {len(unexpected)} tensors this layout does not have, e.g. {unexpected[:5]}: "
+            "is it a checkpoint of another method or layout?"
+        )
+
+
+def check_shape(what: str, name: str, tensor: torch.Tensor, shape: tuple[int, ...], meaning: str) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(f"{what}: {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} ({meaning})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Requests and tokens
+
+
+def token_span(req: Request, emitted: Sequence[int], start: int, end: int) -> list[int]:
+    """Tokens at positions [start, end) of prompt + outputs + `emitted`, without concatenating them all."""
+    n_prompt = len(req.prompt_token_ids)
+    n_known = n_prompt + len(req.output_token_ids)
+    out: list[int] = []
+    if start < n_prompt:
+        out += req.prompt_token_ids[start : min(end, n_prompt)]
+    if end > n_prompt and start < n_known:
+        out += req.output_token_ids[max(start - n_prompt, 0) : end - n_prompt]
+    if end > n_known:
+        out += list(emitted[max(start - n_known, 0) : end - n_known])
+    return out
+
+
+def draft_budget(req: Request, emitted: Sequence[int], k: int, max_model_len: int) -> int:
+    """Drafts worth proposing: the scheduler keeps at most room - 1 (k drafts emit up to k + 1 tokens)."""
+    if not emitted:
+        return 0
+    room = max_model_len - (req.num_tokens + len(emitted))
+    max_tokens = req.sampling_params.max_tokens
+    if max_tokens is not None:
+        room = min(room, max_tokens - (req.num_output_tokens + len(emitted)))
+    return max(0, min(k, room - 1))
+
+
+@dataclass
+class Drafting:
+    """Requests that draft this step (`index`: row in the step's batch) and what they drafted so far."""
+
+    index: list[int]
+    requests: list[Request]
+    outputs: list[list[int]]  # output tokens including this step's emitted ones
+    budget: list[int]  # drafts each request wants
+    need_probs: bool  # some request samples: keep q for every drafted token
+    tokens: list[list[int]] = field(default_factory=list)
+    probs: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokens = [[] for _ in self.index]
+        self.probs = [[] for _ in self.index]
+
+    def active(self, j: int) -> list[int]:
+        """Positions (into this object's lists) of the requests that want a (j+1)-th draft."""
+        return [a for a, b in enumerate(self.budget) if b > j]
+
+    def add(self, active: Sequence[int], logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [A] int64
+        """Pick the next draft of each active request from its draft logits [A, >= vocab_size]."""
+        rows = [SamplingRow(self.requests[a], self.outputs[a] + self.tokens[a]) for a in active]
+        tokens, probs = pick_tokens(logits[:, :vocab_size], rows, vocab_size, self.need_probs)
+        for r, (a, t) in enumerate(zip(active, tokens.tolist(), strict=True)):
+            self.tokens[a].append(t)
+            if probs is not None:
+                self.probs[a].append(probs[r])
+        return tokens
+
+    def chain(
+        self,
+        logits: torch.Tensor,  # [len(index), >= vocab] the drafter's logits at each request's last row
+        last_positions: Sequence[int],  # position of that row, per request
+        vocab_size: int,
+        step: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+        carry: torch.Tensor | None = None,  # [len(index), ...] per-request state the step feeds on
+    ) -> None:
+        """Draft 1 from `logits`, then draft j + 1 from `step(batch_rows, positions, ids, carry)`, which
+        feeds draft j at position last + j and returns (logits, carry) for the requests still drafting."""
+        active = list(range(len(self.index)))
+        drafted = self.add(active, logits, vocab_size)
+        for j in range(1, max(self.budget, default=0)):
+            nxt = self.active(j)
+            keep = torch.tensor([active.index(a) for a in nxt], dtype=torch.int64, device=drafted.device)
+            ids, active = drafted[keep], nxt
+            carry = None if carry is None else carry[keep]
+            logits, carry = step(
+                [self.index[a] for a in active], [last_positions[a] + j for a in active], ids, carry
+            )
+            drafted = self.add(active, logits, vocab_size)
+
+    def proposal(self, all_requests: Sequence[Request]) -> Proposal:
+        token_ids = {r.request_id: [] for r in all_requests}
+        probs = {}
+        for req, toks, ps in zip(self.requests, self.tokens, self.probs, strict=True):
+            token_ids[req.request_id] = toks
+            if ps:
+                probs[req.request_id] = torch.stack(ps)  # [num_drafts, vocab]
+        return Proposal(token_ids, probs)
+
+
+def start_drafting(
+    requests: Sequence[Request], emitted: Sequence[Sequence[int]], k: int, max_model_len: int
+) -> Drafting:
+    idx, reqs, outs, budget = [], [], [], []
+    for i, (req, e) in enumerate(zip(requests, emitted, strict=True)):
+        b = draft_budget(req, e, k, max_model_len)
+        if b > 0:
+            idx.append(i)
+            reqs.append(req)
+            outs.append(req.output_token_ids + list(e))
+            budget.append(b)
+    need_probs = any(not r.sampling_params.greedy for r in reqs)
+    return Drafting(idx, reqs, outs, budget, need_probs)
+
+
+def pick_tokens(
+    logits: torch.Tensor,  # [R, V] draft logits over the target vocabulary (-inf where it cannot draft)
+    rows: Sequence[SamplingRow],
+    vocab_size: int,
+    need_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [R] int64, q [R, V] float32 or None
+    """The request's own logit processing (penalties, temperature, top-k/p) turns draft logits into q;
+    greedy rows take the argmax (q one-hot), random rows sample q on the `DRAFT` stream, so a draft
+    depends only on (seed, output position), never on the batch."""
+    batch = SamplingBatch.build(rows, vocab_size, logits.device)
+    processed = process_logits(logits, batch)  # [R, V] float32
+    if batch.all_greedy and not need_probs:
+        return processed.argmax(dim=-1), None
+    probs = probs_from_processed(processed, batch)  # greedy rows one-hot
+    tokens = processed.argmax(dim=-1)
+    if batch.random_rows:
+        idx = torch.tensor(batch.random_rows, dtype=torch.int64, device=logits.device)
+        drawn = random_sample(
+            probs[idx], [batch.seeds[i] for i in batch.random_rows],
+            [batch.positions[i] for i in batch.random_rows], rng.DRAFT,
+        )
+        tokens = tokens.index_copy(0, idx, drawn)
+    return tokens, probs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Draft batches over the target's block tables
+
+
+def cache_layers_of(module: nn.Module) -> list[CacheLayer]:
+    return [m for m in module.modules() if isinstance(m, CacheLayer)]
+
+
+def draft_metadata(
+    step: CommonAttentionMetadata,  # the target step's batch: block tables, block size
+    batch_rows: Sequence[int],  # [R] row of each draft request in the step's batch
+    starts: Sequence[int],  # [R] first position each draft request computes
+    lens: Sequence[int],  # [R] tokens each computes (>= 1)
+    layers: Sequence[CacheLayer],
+) -> tuple[torch.Tensor, dict[str, Any]]:  # positions [T] int64 (device), backend name -> metadata
+    """A draft forward's positions and attention metadata; KV goes to the slots of those positions."""
+    device = step.block_table.device
+    num_reqs = len(batch_rows)
+    lens_np = np.asarray(lens, dtype=np.int64)
+    starts_np = np.asarray(starts, dtype=np.int64)
+    seq_lens_np = starts_np + lens_np
+    qsl_np = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(lens_np, out=qsl_np[1:])
+    num_tokens = int(qsl_np[-1])
+    req_of_token = np.repeat(np.arange(num_reqs), lens_np)  # [T]
+    positions_np = np.arange(num_tokens) - qsl_np[req_of_token] + starts_np[req_of_token]  # [T]
+
+    rows = torch.as_tensor(np.asarray(batch_rows, dtype=np.int64), device=device)
+    block_table = step.block_table.index_select(0, rows)  # [R, max_blocks]
+    positions = torch.from_numpy(positions_np).to(device)
+    req_idx = torch.from_numpy(req_of_token).to(device)
+    bs = step.block_size
+    slot_mapping = block_table[req_idx, positions // bs].long() * bs + positions % bs  # [T]
+
+    qsl_cpu = torch.from_numpy(qsl_np.astype(np.int32))
+    seq_lens_cpu = torch.from_numpy(seq_lens_np.astype(np.int32))
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(device),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_lens_cpu.to(device),
+        seq_lens_cpu=seq_lens_cpu,
+        num_computed_tokens_cpu=torch.from_numpy(starts_np.astype(np.int32)),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        request_rows=step.request_rows.index_select(0, rows),
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        max_query_len=int(lens_np.max()),
+        max_seq_len=int(seq_lens_np.max()),
+        block_size=bs,
+    )
+    backends = {layer.backend.name: layer.backend for layer in layers}
+    return positions, {name: b.build_metadata(common) for name, b in backends.items()}

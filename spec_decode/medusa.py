@@ -1,0 +1,185 @@
+"""Medusa heads in the published `FasterDecoding/medusa-*` layout, and their top-1 chain proposer.
+
+Layout (FasterDecoding/Medusa `medusa/model/medusa_model.py`): `medusa_lm_head.pt` (a pickled state
+dict; newer releases `medusa_lm_head.safetensors`, names sometimes prefixed `medusa_head.`) holding,
+for head h and ResBlock l < medusa_num_layers,
+
+    {h}.{l}.linear.weight [H, H], {h}.{l}.linear.bias [H]      ResBlock: x + SiLU(linear(x))
+    {h}.{medusa_num_layers}.weight [vocab, H]                   the head's own lm_head, no bias
+
+and config.json with `medusa_num_heads`, `medusa_num_layers`. Head h reads the target's final
+(normed) hidden state at the last verified position n-1 (whose lm_head gave x[n]) and predicts
+x[n+1+h]; so k drafts need k heads. No KV cache, no per-request state.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, load_params
+from research_lm.models.layers import Linear
+from research_lm.models.loader import checkpoint_files
+from research_lm.spec import Proposal, StepOutcome
+from spec_decode.heads import (
+    check_names,
+    check_shape,
+    expected_checkpoint_names,
+    head_dir,
+    read_json_config,
+    read_tensors,
+    start_drafting,
+)
+
+_WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+_PREFIX = "medusa_head."
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int, bias: bool):
+        super().__init__()
+        self.linear = Linear(hidden_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.ModuleList):
+    """heads[h] = [ResBlock] * num_layers + [lm_head]; parameter names are the checkpoint's."""
+
+    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int, bias: bool):
+        super().__init__(
+            nn.ModuleList([*(ResBlock(hidden_size, bias) for _ in range(num_layers)),
+                           Linear(hidden_size, vocab_size, bias=False)])
+            for _ in range(num_heads)
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, num_heads, vocab] fp32
+        out = []
+        for head in self:
+            x = hidden
+            for block in head[:-1]:
+                x = block(x)
+            out.append(F.linear(x, head[-1].weight).float())
+        return torch.stack(out, dim=1)
+
+
+class MedusaProposer:
+    """`research_lm.spec.Proposer`: draft j of a request is head j's choice at its last verified row."""
+
+    aux_hidden_state_layers: tuple[int, ...] = ()
+
+    def __init__(self, heads: MedusaHeads, *, num_speculative_tokens: int, vocab_size: int, max_model_len: int):
+        if not 1 <= num_speculative_tokens <= len(heads):
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, medusa_num_heads = {len(heads)}] for Medusa, "
+                f"got {num_speculative_tokens}"
+            )
+        self.heads = heads
+        self.num_speculative_tokens = num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def propose(self, outcome: StepOutcome) -> Proposal:
+        reqs = outcome.requests
+        drafting = start_drafting(reqs, outcome.emitted, self.num_speculative_tokens, self.max_model_len)
+        if not drafting.index:
+            return drafting.proposal(reqs)
+        qsl = outcome.query_start_loc_cpu.tolist()
+        computed = outcome.common.num_computed_tokens_cpu.tolist()
+        # Row of position n-1 in the step's batch: the target computed c .. n-1 (+ rejected drafts).
+        rows = [
+            qsl[i] + (reqs[i].num_tokens + len(outcome.emitted[i]) - 1 - computed[i]) - 1 for i in drafting.index
+        ]
+        hidden = outcome.hidden_states[torch.tensor(rows, dtype=torch.int64, device=outcome.hidden_states.device)]
+        logits = self.heads(hidden)  # [R, num_heads, V]
+        for j in range(self.num_speculative_tokens):
+            active = drafting.active(j)
+            if not active:
+                break
+            drafting.add(active, logits[active, j], self.vocab_size)
+        return drafting.proposal(reqs)
+
+    def on_requests_removed(self, req_ids: set[str]) -> None:
+        pass  # stateless
+
+
+def _weight_files(path: Path) -> list[Path]:
+    for name in _WEIGHT_FILES:
+        if (path / name).is_file():
+            return [path / name]
+    try:
+        return checkpoint_files(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"no Medusa weights in {path}: looked for {', '.join(_WEIGHT_FILES)} ({e})") from e
+
+
+def _count(tensors: dict[str, torch.Tensor], pattern: str) -> int:
+    found = {int(m.group(1)) for n in tensors if (m := re.fullmatch(pattern, n))}
+    return max(found) + 1 if found else 0
+
+
+def load_medusa_heads(path: Path, *, hidden_size: int, vocab_size: int, build: ModelBuildContext) -> MedusaHeads:
+    """Read and check a Medusa head directory against the target's hidden size and vocabulary."""
+    what = f"Medusa head {path}"
+    cfg = read_json_config(path)
+    files = _weight_files(path)
+    tensors = {n.removeprefix(_PREFIX): t for n, t in read_tensors(files).items()}
+    num_heads = int(cfg.get("medusa_num_heads") or _count(tensors, r"(\d+)\.\d+\.(?:linear\.)?weight"))
+    num_layers = int(cfg.get("medusa_num_layers") or _count(tensors, r"0\.(\d+)\.linear\.weight"))
+    if num_heads < 1:
+        raise CheckpointError(
+            f"{what}: config.json has no medusa_num_heads and {files[0].name} holds no "
+            "{head}.{layer}.linear.weight tensors: not a Medusa checkpoint"
+        )
+    head_name = f"0.{num_layers}.weight"
+    if head_name not in tensors:
+        raise CheckpointError(
+            f"{what} lacks {head_name!r}, the first head's lm_head for medusa_num_layers = {num_layers}: "
+            "not a Medusa checkpoint, or config.json disagrees with its tensors"
+        )
+    lm_head = tensors[head_name]
+    if lm_head.dim() != 2:
+        raise CheckpointError(f"{what}: {head_name} has shape {tuple(lm_head.shape)}, expected [vocab, hidden]")
+    if lm_head.shape[1] != hidden_size:
+        raise CheckpointError(
+            f"{what} has hidden size {lm_head.shape[1]} ({head_name}), but the target's hidden size is {hidden_size}"
+        )
+    if lm_head.shape[0] != vocab_size:
+        raise CheckpointError(
+            f"{what} predicts over a vocabulary of {lm_head.shape[0]} tokens ({head_name}), but the target has "
+            f"{vocab_size}"
+        )
+    for h in range(num_heads):
+        check_shape(what, f"{h}.{num_layers}.weight", tensors.get(f"{h}.{num_layers}.weight", torch.empty(0)),
+                    (vocab_size, hidden_size), "vocab x hidden size")
+        for layer in range(num_layers):
+            name = f"{h}.{layer}.linear.weight"
+            check_shape(what, name, tensors.get(name, torch.empty(0)), (hidden_size, hidden_size), "hidden x hidden")
+    with build_scope(build):
+        heads = MedusaHeads(num_heads, num_layers, hidden_size, vocab_size, bias="0.0.linear.bias" in tensors)
+    check_names(what, tensors, expected_checkpoint_names(heads))
+    with torch.no_grad():
+        load_params(heads, tensors.items())
+    heads.requires_grad_(False)
+    return heads.eval()
+
+
+def build_proposer(speculative_config: dict[str, Any], engine: Any) -> MedusaProposer:
+    path = head_dir(speculative_config, "medusa")
+    k = speculative_config.get("num_speculative_tokens")
+    if k is None:
+        raise ValueError("speculative_config for 'medusa' needs num_speculative_tokens")
+    build = ModelBuildContext(engine.info.device, engine.info.dtype, engine.config.attention_backend)
+    heads = load_medusa_heads(
+        path, hidden_size=engine.hf_config.hidden_size, vocab_size=engine.info.vocab_size, build=build
+    )
+    return MedusaProposer(
+        heads, num_speculative_tokens=int(k), vocab_size=engine.info.vocab_size,
+        max_model_len=engine.info.max_model_len,
+    )
