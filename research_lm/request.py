@@ -22,7 +22,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: a request is one live object, hashable
 class Request:
     request_id: str
     prompt_token_ids: list[int]

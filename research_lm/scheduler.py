@@ -12,6 +12,10 @@ Invariants (asserted by tests/test_scheduler.py):
   a step that preempts, no waiting request is admitted.
 - `finished_req_ids` / `preempted_req_ids` name every request whose runner row must go since the
   previous step (a runner ignores ids it does not hold, e.g. a request aborted while waiting).
+
+Runner contract: a scheduled request computes positions [num_computed_tokens, num_computed_tokens +
+num_new_tokens) of `all_token_ids + spec_token_ids`, reading `request.num_computed_tokens` before
+`update_from_output`; it emits tokens only when that range reaches the last known token.
 """
 
 from __future__ import annotations
@@ -90,8 +94,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Finish an unfinished request with reason "abort" (None if unknown or already finished)."""
+    def abort_request(self, request_id: str, finish_reason: str = "abort") -> Request | None:
+        """Finish an unfinished request with `finish_reason` ("abort", or "error" when it failed
+        alone); returns it, or None if unknown or already finished."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -99,7 +104,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, "abort")
+        self._finish(request, finish_reason)
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -127,10 +132,10 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        """One step's batch: running requests first, then admissions (none if anyone was preempted)."""
         out = SchedulerOutput(scheduled=[], finished_req_ids=self._finished_since_schedule)
         self._finished_since_schedule = set()
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         return out

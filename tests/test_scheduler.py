@@ -530,7 +530,7 @@ def test_abort_waiting_and_running_requests():
     sched.add_request(b)
     step(sched, runner)
     assert sched.abort_request("r1") is b and b.finish_reason == "abort" and b.is_finished
-    assert sched.abort_request("r0") is a and a.finish_reason == "abort"
+    assert sched.abort_request("r0", "error") is a and a.finish_reason == "error"
     assert sched.abort_request("r0") is None and sched.abort_request("nope") is None
     assert not sched.has_unfinished_requests()
     so = sched.schedule()
