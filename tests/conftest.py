@@ -90,6 +90,20 @@ TINY_MODELS: dict[str, TinyModel] = {
     "deepseek-v3-no-interleave": TinyModel("DeepseekV3Config", dict(
         head_dim=8, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, first_k_dense_replace=3, num_hidden_layers=3, rope_interleave=False)),
+    # DeepSeek MoE (MLA as above): 8 routed experts of 32 in 4 groups of 2, top-3 from the best 2 groups, shared
+    # experts. V2: softmax, group_limited_greedy, scaled, every layer routed, biased shared experts (mlp_bias).
+    # V3: sigmoid, noaux_tc (e_score_correction_bias: a buffer, saved as zeros; tests/models/test_deepseek_moe.py
+    # writes random values), renormalised and scaled, layer 0 dense.
+    "deepseek-v2-moe": TinyModel("DeepseekV2Config", dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, first_k_dense_replace=0, mlp_bias=True, n_routed_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5)),
+    "deepseek-v3-moe": TinyModel("DeepseekV3Config", dict(
+        head_dim=8, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5)),
     # MoE: 8 experts, top-2. Mixtral renormalises the top-k; Qwen2-MoE adds a gated shared expert and
     # keeps layer 1 dense (mlp_only_layers); Qwen3-MoE renormalises (norm_topk_prob) and has q/k norms.
     "mixtral": TinyModel("MixtralConfig", dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),

@@ -12,13 +12,32 @@ The decoder loop, embeddings and LM head are the Llama family's (`DeepseekModel`
   the rope dims of q and k alike and leaves every dot product unchanged.
 - softmax scale (nope + rope)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (as transformers).
 
-Each layer's MLP comes from `make_mlp(hf_config, layer_idx, build)`: a dense gated MLP for the first
-`first_k_dense_replace` layers (every layer when `n_routed_experts` is 0 or null); MoE layers raise until
-research_lm.moe lands, and that function is the one place to switch them on.
+Each layer's MLP comes from `make_mlp(hf_config, layer_idx, build)`: a dense gated MLP of `intermediate_size`
+for the first `first_k_dense_replace` layers and for layers off the `moe_layer_freq` stride (every layer when
+`n_routed_experts` is 0 or null); the others a `research_lm.moe.MoeBlock`:
+- `n_routed_experts` experts of `moe_intermediate_size`, top `num_experts_per_tok`, router GEMM in fp32;
+- V2: softmax scores; `topk_method` "greedy" (plain top-k) or "group_limited_greedy" (the best `topk_group`
+  of `n_group` groups, scored by their max member); V3: sigmoid scores and "noaux_tc" (choice on scores +
+  `e_score_correction_bias`, groups scored by their top-2 sum; the weights are the unbiased scores). The bias
+  stays fp32 whatever the model dtype (as transformers' _keep_in_fp32_modules_strict and the reference).
+  Other (scoring_func, topk_method) pairs are refused: neither the reference code nor transformers runs them;
+- weights renormalised when `norm_topk_prob`, then times `routed_scaling_factor`. NOTE: transformers' V2
+  router ignores norm_topk_prob, and DeepSeek's V2 reference skips the scaling when it renormalises; we
+  follow vLLM (both). Every released V2 checkpoint has norm_topk_prob false, where all of them agree;
+- `n_shared_experts` shared experts as one dense gated MLP of n_shared * moe_intermediate_size (biased when
+  V2's `mlp_bias`), added to every token, ungated.
+EPLB (`build.extra["eplb"]`): the block's `FusedMoE` holds experts + num_redundant_experts slots and reports
+`num_groups` = n_group (1 without group-limited routing), which the EPLB controller hands the placement
+policy (DeepSeek's hierarchical policy packs those groups onto nodes).
+Checkpoints store experts per expert (`mlp.experts.E.{gate,up,down}_proj.weight`, as transformers 5.17 and
+5.23 write them) or stacked (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); `mlp.gate.weight`,
+`mlp.gate.e_score_correction_bias` (V3) and `mlp.shared_experts.*` (read into `mlp.shared_expert.*`).
+Tensors of layers beyond num_hidden_layers (V3's multi-token-prediction layer) are skipped.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +45,14 @@ import torch
 from torch import nn
 
 from attention_zoo.mla import MLAAttention, MLASpec
-from research_lm.models.base import ModelBuildContext, StackedParams, build_scope, is_rotary_buffer, load_params
+from research_lm.models.base import (
+    ModelBuildContext,
+    StackedParams,
+    build_scope,
+    default_weight_loader,
+    is_rotary_buffer,
+    set_weight_loader,
+)
 from research_lm.models.layers import (
     ColumnParallelLinear,
     GatedMLP,
@@ -43,6 +69,10 @@ from research_lm.models.layers import (
 )
 from research_lm.models.llama import LlamaForCausalLM, LlamaModel
 from research_lm.models.registry import register_model
+from research_lm.moe.config import MoeOptions
+from research_lm.moe.layer import MoeBlock
+from research_lm.moe.router import RouterConfig
+from research_lm.moe.weights import load_moe_params
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -51,6 +81,14 @@ DEFAULT_MLA_BACKEND = "mla_torch_ref"
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
 MLP_STACKED: StackedParams = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+SHARED_EXPERT_RENAMES = ((".shared_experts.", ".shared_expert."),)  # checkpoint name part -> ours
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+# architecture -> (its scoring_func, default topk_method, {topk_method: (group-limited, correction bias)}).
+# Keyed by architecture, not model_type: V3-architecture checkpoints of other makers name their own model_type.
+ROUTING: dict[str, tuple[str, str, dict[str, tuple[bool, bool]]]] = {
+    "DeepseekV2ForCausalLM": ("softmax", "greedy", {"greedy": (False, False), "group_limited_greedy": (True, False)}),
+    "DeepseekV3ForCausalLM": ("sigmoid", "noaux_tc", {"noaux_tc": (True, True)}),
+}
 Q_LORA_STACKED: StackedParams = (
     ("fused_qkv_a_proj", "q_a_proj", "q_a"),
     ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "kv_a"),
@@ -77,20 +115,53 @@ def is_moe_layer(hf_config: PretrainedConfig, layer_idx: int) -> bool:
     return layer_idx >= first_dense and layer_idx % (getattr(hf_config, "moe_layer_freq", 1) or 1) == 0
 
 
+def router_config(hf_config: PretrainedConfig) -> RouterConfig:
+    """DeepSeek's routing rule for this config (module docstring); raises for what V2/V3 do not define."""
+    archs = [a for a in getattr(hf_config, "architectures", None) or () if a in ROUTING]
+    v3 = getattr(hf_config, "model_type", None) == "deepseek_v3"  # a config that names no architecture
+    arch = archs[0] if archs else ("DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM")
+    family_scoring, default_method, methods = ROUTING[arch]
+    scoring = getattr(hf_config, "scoring_func", None) or family_scoring
+    method = getattr(hf_config, "topk_method", None) or default_method
+    if scoring != family_scoring or method not in methods:
+        raise ValueError(
+            f"{arch} routes with scoring_func {family_scoring!r} and topk_method in {sorted(methods)}; "
+            f"this config asks for scoring_func {scoring!r}, topk_method {method!r}"
+        )
+    grouped, bias = methods[method]
+    n_group = getattr(hf_config, "n_group", None) or 1
+    return RouterConfig(
+        top_k=hf_config.num_experts_per_tok,
+        scoring_func=scoring,
+        renormalize=bool(getattr(hf_config, "norm_topk_prob", False)),
+        num_expert_group=n_group if grouped and n_group > 1 else None,
+        topk_group=getattr(hf_config, "topk_group", None) if grouped and n_group > 1 else None,
+        routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),
+        has_correction_bias=bias,
+        logits_fp32=True,
+    )
+
+
 def make_mlp(hf_config: PretrainedConfig, layer_idx: int, build: ModelBuildContext) -> nn.Module:
     """The MLP of decoder layer `layer_idx`: [num_tokens, hidden] -> [num_tokens, hidden]."""
-    if is_moe_layer(hf_config, layer_idx):
-        raise ValueError(
-            f"layer {layer_idx} of this DeepSeek config is a MoE layer (n_routed_experts="
-            f"{hf_config.n_routed_experts}, first_k_dense_replace={getattr(hf_config, 'first_k_dense_replace', 0)}, "
-            f"{hf_config.num_hidden_layers} layers); DeepSeek MoE layers are not supported until research_lm.moe "
-            "lands: use a config whose layers are all dense (first_k_dense_replace >= num_hidden_layers, or "
-            "n_routed_experts 0)"
-        )
-    return GatedMLP(
-        hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "hidden_act", "silu"),
-        getattr(hf_config, "mlp_bias", False),
+    act = getattr(hf_config, "hidden_act", "silu")
+    bias = bool(getattr(hf_config, "mlp_bias", False))  # V2 only; V3 configs do not have it
+    if not is_moe_layer(hf_config, layer_idx):
+        return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, act, bias)
+    num_shared = getattr(hf_config, "n_shared_experts", None) or 0
+    block = MoeBlock(
+        hf_config.hidden_size, hf_config.moe_intermediate_size, hf_config.n_routed_experts,
+        router_config(hf_config), MoeOptions.from_extra(build.extra, build.device),
+        shared_intermediate_size=num_shared * hf_config.moe_intermediate_size, shared_expert_bias=bias,
+        hidden_act=act,
     )
+    gate = block.gate
+    if gate.e_score_correction_bias is not None:  # fp32 in every model dtype: it decides the routing
+        gate.e_score_correction_bias = nn.Parameter(
+            torch.zeros(hf_config.n_routed_experts, dtype=torch.float32), requires_grad=False
+        )
+        set_weight_loader(gate.e_score_correction_bias, default_weight_loader)
+    return block
 
 
 class DeepseekAttention(nn.Module):
@@ -214,10 +285,14 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         stacked = MLP_STACKED + (Q_LORA_STACKED if getattr(self.config, "q_lora_rank", None) else ())
 
-        def skip(name: str) -> bool:
-            return is_rotary_buffer(name) or (self.tie_word_embeddings and name == "lm_head.weight")
+        num_layers = self.config.num_hidden_layers
 
-        return load_params(self, weights, stacked, skip)
+        def skip(name: str) -> bool:
+            layer = _LAYER_INDEX.match(name)
+            return (is_rotary_buffer(name) or (self.tie_word_embeddings and name == "lm_head.weight")
+                    or (layer is not None and int(layer[1]) >= num_layers))  # V3's MTP layer(s)
+
+        return load_moe_params(self, weights, stacked, skip, renames=SHARED_EXPERT_RENAMES)
 
 
 @register_model("DeepseekV3ForCausalLM")

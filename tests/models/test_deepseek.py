@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 (dense layers) over the MLA backends match transformers: logits and greedy generation.
+"""DeepSeek-V2/V3 dense configs (MoE: test_deepseek_moe.py) over the MLA backends match transformers.
 
 Oracle: transformers' eager model on the same tiny checkpoint, one sequence at a time, fp32.
 Ours: `load_model` with `mla_backend` = mla_torch_ref or mla_triton (Triton interpreter on CPU),
@@ -144,11 +144,13 @@ def test_load_weights_reports_every_parameter(tiny_checkpoint):
     assert {"model.layers.1.self_attn.fused_qkv_a_proj.bias", "model.layers.1.mlp.gate_up_proj.bias"} <= names
 
 
-def test_moe_layers_and_dense_backends_fail_at_build_with_a_sentence(tiny_checkpoint):
+def test_routed_layers_are_moe_and_dense_backends_fail_at_build_with_a_sentence(tiny_checkpoint):
+    from research_lm.moe.layer import MoeBlock
+
     config = load_config(tiny_checkpoint("deepseek-v3"))
-    config.first_k_dense_replace = 1  # layer 1 would be routed
-    with pytest.raises(ValueError, match=r"layer 1 .* MoE layer .* until research_lm.moe lands"):
-        build_model(config, device="cpu", dtype=torch.float32, attention_backend="torch_ref")
+    config.first_k_dense_replace = 1  # layer 1 is routed
+    model = build_model(config, device="cpu", dtype=torch.float32, attention_backend="torch_ref")
+    assert isinstance(model.model.layers[1].mlp, MoeBlock)
     config.first_k_dense_replace, config.n_routed_experts = 0, 0  # no routed experts: all dense
     build_model(config, device="cpu", dtype=torch.float32, attention_backend="torch_ref")
     with pytest.raises(ValueError, match=r"'torch_ref' does not implement mla layers.*mla_torch_ref"):
