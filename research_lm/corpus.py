@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 
@@ -17,9 +18,7 @@ def stdlib_files(limit_bytes: int | None = None) -> list[Path]:
     """Sorted stdlib `.py` files outside tests/idlelib that decode as UTF-8, up to `limit_bytes`."""
     root = stdlib_dir()
     files, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if _EXCLUDED_DIRS & set(path.relative_to(root).parts[:-1]):
-            continue
+    for path in sorted(_python_files(root)):
         try:
             size = len(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
@@ -29,6 +28,15 @@ def stdlib_files(limit_bytes: int | None = None) -> list[Path]:
         if limit_bytes is not None and total >= limit_bytes:
             break
     return files
+
+
+def _python_files(root: Path) -> list[Path]:
+    """`*.py` under root, not descending into excluded directories (site-packages is most of the tree)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        out += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    return out
 
 
 def pydoc_topics() -> dict[str, str]:
