@@ -13,6 +13,7 @@ from attention_zoo.base import AttentionBackend, AttentionSpec
 _BACKEND_MODULES: dict[str, str] = {
     "torch_ref": "attention_zoo.torch_ref",
     "triton": "attention_zoo.triton_attn",
+    "flashinfer": "attention_zoo.flashinfer_attn",
     "mamba_torch_ref": "attention_zoo.mamba",
     "mamba_triton": "attention_zoo.mamba_triton",
     "mla_torch_ref": "attention_zoo.mla",
