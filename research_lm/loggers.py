@@ -53,7 +53,8 @@ class JsonlLogger(RunLogger):
         self.file = None
 
     def start(self, run_dir, config, name, group):
-        self.file = open(Path(run_dir) / "metrics.jsonl", "w")  # noqa: SIM115 (closed in finish)
+        # line-buffered, so a long run can be followed with tail -f
+        self.file = open(Path(run_dir) / "metrics.jsonl", "w", buffering=1)  # noqa: SIM115 (closed in finish)
 
     def log(self, metrics, step):
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
