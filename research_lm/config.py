@@ -33,6 +33,10 @@ class EngineConfig:
     trust_remote_code: bool = False
     speculative_config: dict[str, Any] | None = None
     eplb_config: dict[str, Any] | None = None  # MoE expert placement (conf/eplb); ignored by dense models
+    # Replay pure-decode batches from CUDA graphs, where the device and every attention backend allow it.
+    cuda_graphs: bool = False
+    cuda_graph_sizes: list[int] | None = None  # padded batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (speed runs, vLLM's name)
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
 
     def model_extra(self) -> dict[str, Any]:
@@ -51,6 +55,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.cuda_graph_sizes is not None and not all(int(s) >= 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), got {self.num_gpu_blocks}")
 

@@ -47,7 +47,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(
             path, device=device, dtype=dtype, attention_backend=config.attention_backend,
-            trust_remote_code=config.trust_remote_code, extra=config.model_extra(),
+            trust_remote_code=config.trust_remote_code, extra=config.model_extra(), load_format=config.load_format,
         )
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         max_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
@@ -73,6 +73,8 @@ class LLMEngine:
                            "a cached prefix cannot restore (pass enable_prefix_caching=False to silence this)")
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks, dtype)
+        if config.cuda_graphs and (reason := self.runner.capture_cuda_graphs(config.cuda_graph_sizes)):
+            logger.warning("CUDA graphs are off: %s; decode runs eagerly", reason)
         # after the KV sizing (its profiling forward must not count as expert load)
         self.eplb = build_eplb_controller(self.model, config.eplb_config)
         self.kv_cache = KVCacheManager(

@@ -1,6 +1,7 @@
 """The model runner: the thin orchestrator every ablation shares.
 
-One step = update rows → prepare inputs → attention metadata → forward → sample or verify → propose.
+One step = update rows → prepare inputs → attention metadata → forward (CUDA graph or eager) → sample or
+verify → propose.
 Each stage lives in a sibling module and enters here in one line; keep it that way.
 """
 
@@ -11,6 +12,7 @@ import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.buffers import StepBuffers, slots_for_positions
+from research_lm.cuda_graphs import DecodeGraphs, default_capture_sizes, unsupported_reason
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import Logprob
 from research_lm.sampler import Sampler, SamplingBatch, SamplingRow, compute_probs
@@ -59,6 +61,8 @@ class ModelRunner:
         self.cache_layers += list(getattr(proposer, "cache_layers", []))
         self.backends = list({layer.backend.name: layer.backend for layer in self.cache_layers}.values())
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.cuda_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
         # A drafter's lookahead slots may reach past max_model_len.
         max_blocks_per_req = -(-(max_model_len + getattr(proposer, "num_lookahead_tokens", 0)) // block_size)
         self.buffers = StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_req, device)
@@ -84,6 +88,16 @@ class ModelRunner:
                 dtype=dtype, device=self.device,
             )
 
+    def capture_cuda_graphs(self, sizes: list[int] | None = None) -> str | None:
+        """Capture decode graphs over the KV cache (allocated, and never again after); None, or why not."""
+        reason = unsupported_reason(self.model, self.backends, self.device)
+        if reason is None:
+            self.cuda_graphs = DecodeGraphs(
+                self.model, self.buffers, self.backends, sizes=sizes or default_capture_sizes(self.max_num_seqs),
+                block_size=self.block_size, max_seq_len=self.max_model_len,
+            )
+        return reason
+
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -100,7 +114,10 @@ class ModelRunner:
         attn_metadata = {b.name: b.build_metadata(common) for b in self.backends}
         input_ids = self.buffers.input_ids.gpu[: common.num_tokens]
         positions = self.buffers.positions.gpu[: common.num_tokens]
-        out = self.model(input_ids, positions, attn_metadata)
+        if self.cuda_graphs is not None and self.cuda_graphs.covers(common):
+            out = self.cuda_graphs.run(common)  # pure decode: replay the padded batch's graph
+        else:
+            out = self.model(input_ids, positions, attn_metadata)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
 
         logits_indices = self.buffers.logits_indices.copy_to_gpu(len(sample_rows))

@@ -67,8 +67,12 @@ def load_model(
     attention_backend: str,
     trust_remote_code: bool = False,
     extra: dict[str, Any] | None = None,
+    load_format: str = "auto",
 ) -> tuple[nn.Module, PretrainedConfig]:
-    """Build the registered model for the checkpoint at `path` and load its weights (no grad, eval)."""
+    """Build the registered model for the checkpoint at `path` and load its weights (no grad, eval).
+
+    load_format "dummy" (vLLM's name) draws random weights instead (`init_random_weights`): `path`
+    then needs only a config.json. For speed runs of real shapes without the weights."""
     path = _checked_dir(path)
     hf_config = load_config(path, trust_remote_code)
     try:
@@ -76,6 +80,9 @@ def load_model(
     except ValueError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from e
     model = build_model(hf_config, device=device, dtype=dtype, attention_backend=attention_backend, extra=extra)
+    if load_format == "dummy":
+        init_random_weights(model)
+        return model, hf_config
     with torch.no_grad():
         loaded = model.load_weights(iter_checkpoint(checkpoint_files(path)))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)

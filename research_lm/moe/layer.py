@@ -71,6 +71,8 @@ class FusedMoE(nn.Module):
     group of R ranks (`options.ep_group`), only this rank's P / R slots, and forward dispatches pairs to
     the ranks holding their slots (`research_lm.moe.ep`)."""
 
+    cuda_graphs = False  # routing reads expert counts on the host (bincount().tolist()): no capture
+
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, options: MoeOptions,
         num_groups: int = 1,  # expert groups of group-limited routing, for the placement policy

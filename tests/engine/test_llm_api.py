@@ -93,3 +93,18 @@ def test_bad_arguments_name_the_field():
         LLM("tiny-llama", max_num_sequences=4)
     with pytest.raises(ValueError, match="neither an existing directory"):
         LLM("/nonexistent/checkpoint")
+
+
+def test_load_format_dummy_needs_only_a_config(tmp_path):
+    """vLLM's load_format="dummy": random weights from a config.json alone (speed runs of real shapes)."""
+    from transformers import LlamaConfig
+
+    from tests.conftest import TINY_SHAPE
+
+    LlamaConfig(**TINY_SHAPE, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", num_gpu_blocks=16, max_model_len=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert all(p.abs().sum() > 0 for p in llm.engine.model.parameters())  # drawn, not left empty
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(tmp_path), load_format="npz", device="cpu")

@@ -1,0 +1,130 @@
+"""What the end-to-end benchmarks share: model shapes, the measured ceilings, the environment, results files.
+
+Imported by `experiments/bench_decode.py` and `experiments/bench_throughput.py` (run as scripts, so this
+folder is on sys.path). No hydra: the GPU machine has none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+# Llama-3.2-1B (the config.json of meta-llama/Llama-3.2-1B), weights drawn at random.
+LLAMA_3_2_1B: dict[str, Any] = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+    bos_token_id=128000, eos_token_id=128001,
+)  # fmt: skip
+# For smoke runs of the scripts on a CPU.
+TINY: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=256, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=4096,
+)  # fmt: skip
+
+
+def model_dir(shape: dict[str, Any]) -> str:
+    """A temp directory holding only a config.json: research_lm loads it with load_format="dummy"."""
+    from transformers import LlamaConfig
+
+    path = tempfile.mkdtemp(prefix="bench_llama_")
+    LlamaConfig(**shape, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return path
+
+
+def hf_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' Llama with random weights, built on the device; generates exactly max_new_tokens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype)
+    model.generation_config.eos_token_id = None  # ignore_eos
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters (a tied embedding counted once): what one decode step must read."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpu_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """Median ms of fn: CUDA events through triton's do_bench on a GPU, the host clock elsewhere."""
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy, bytes read + written per second (2 GiB buffers on a GPU)."""
+    n = (2 << 30) if device.type == "cuda" else (64 << 20)
+    buffers = torch.empty(2, n, dtype=torch.uint8, device=device)
+    ms = gpu_ms(lambda: buffers[1].copy_(buffers[0]), device)
+    return 2 * n / (ms * 1e-3)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """bf16 (dtype) GEMM FLOP/s at 8192^3 (512^3 on a CPU)."""
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = gpu_ms(lambda: a @ b, device)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    from research_lm.env_info import environment as env
+
+    info = env(device)
+    git = info["git"]
+    if not re.fullmatch(r"[0-9a-f]{40}", str(git["commit"])):  # a copy of the tree without usable git metadata
+        git = {"commit": os.environ.get("BENCH_COMMIT"), "dirty": os.environ.get("BENCH_DIRTY") == "1"}
+    return {
+        "device": info["device_name"], "date": info["date"], "commit": git["commit"],
+        "dirty": git["dirty"], "torch": info["packages"]["torch"], "triton": info["packages"]["triton"],
+        "transformers": info["packages"]["transformers"], "python": info["python"], "command": info["command"],
+    }  # fmt: skip
+
+
+def env_line(env: dict[str, Any]) -> str:
+    dirty = " (uncommitted changes)" if env.get("dirty") else ""
+    return (f"{env['device']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; "
+            f"commit {str(env['commit'])[:12]}{dirty}; {env['date']}")  # fmt: skip
+
+
+def write_results(name: str, table: str, payload: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    (RESULTS / f"{name}.md").write_text(table + "\n")
+
+
+def free_cuda() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,342 @@
+"""Batch-1 decode of a Llama-3.2-1B-shaped model (random weights, bf16): ms per step, against the floor.
+
+    python experiments/bench_decode.py --profile                    # on a CUDA GPU
+    python experiments/bench_decode.py --tiny --device cpu --backend torch_ref --steps 8   # smoke run
+
+Rows, all measured in this process:
+- floor: the parameter bytes (tied embedding once) over the device copy bandwidth (read + write)
+  measured here: no decode step can read its weights faster.
+- research_lm eager / CUDA graphs (`--backend`, triton by default): one request, a `--prompt-len`
+  prompt, then each `engine.step()` timed on the host. The sampler's `.tolist()` waits for the GPU,
+  so a step's wall time is the whole step: schedule, input prep, forward, logits, sampling,
+  bookkeeping. Median over `--steps` steps after `--warmup`.
+- "forward alone": the model forward of one decode token without the rest of the step (CUDA events;
+  eager launches are host-bound, so that row is the host's launch time).
+- transformers generate, dynamic cache and `cache_implementation="static"` (which transformers compiles
+  itself): (t(N new tokens) - t(1 new token)) / (N - 1), after a warm-up call (the compilation).
+`--profile` adds the host time of each stage of a research_lm step, with a device sync after each
+stage (so each stage carries its GPU work), and the top CUDA kernels of an eager step (torch.profiler).
+Prints a table last; writes experiments/results/bench_decode.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from bench_common import (
+    LLAMA_3_2_1B,
+    TINY,
+    copy_bandwidth,
+    env_line,
+    environment,
+    free_cuda,
+    gpu_ms,
+    hf_model,
+    model_dir,
+    sync,
+    weight_bytes,
+    write_results,
+)
+
+NAME = "bench_decode"
+
+
+def build_llm(path: str, args, graphs: bool):
+    from research_lm import LLM
+
+    max_len = args.prompt_len + args.warmup + max(args.steps, args.profile_steps) + 16
+    return LLM(
+        path, load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=args.backend,
+        max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 256), max_model_len=max_len,
+        num_gpu_blocks=-(-max_len // 16) + 2, enable_prefix_caching=False, cuda_graphs=graphs,
+        cuda_graph_sizes=[1],
+    )  # fmt: skip
+
+
+def decode_steps(engine, prompt: list[int], warmup: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` decode steps of one greedy request (after prefill and `warmup` steps)."""
+    from research_lm import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1 + warmup + steps, ignore_eos=True))
+    engine.step()  # prefill (and the first token)
+    for _ in range(warmup):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    assert not engine.has_unfinished_requests()
+    return times
+
+
+def forward_alone_ms(engine, device: torch.device) -> float:
+    """One decode token's forward over the step buffers (graph replay when captured), as the step runs it."""
+    from research_lm.cuda_graphs import decode_metadata
+
+    runner = engine.runner
+    buf = runner.buffers
+    seq_len = int(buf.seq_lens.np[0])  # left by the last step
+    common = decode_metadata(buf, 1, runner.block_size, max_seq_len=seq_len)
+    if runner.cuda_graphs is not None:
+        return gpu_ms(lambda: runner.cuda_graphs.run(common), device)
+    ids, pos = buf.input_ids.gpu[:1], buf.positions.gpu[:1]
+
+    @torch.inference_mode()
+    def forward():
+        return runner.model(ids, pos, {b.name: b.build_metadata(common) for b in runner.backends})
+
+    return gpu_ms(forward, device)
+
+
+def stage_profile(engine, prompt: list[int], steps: int, device: torch.device) -> dict[str, float]:
+    """Mean ms per decode step in each stage, a device sync closing each stage."""
+    runner, sched = engine.runner, engine.scheduler
+    stages = [("schedule", sched, "schedule"), ("prepare_inputs", runner, "_prepare_inputs"),
+              ("forward (eager)", runner.model, "forward"), ("forward (graph replay)", runner.cuda_graphs, "run"),
+              ("logits", runner.model, "compute_logits"), ("sample", runner, "_sample_or_verify"),
+              ("update_from_output", sched, "update_from_output"),
+              ("metrics", engine.metrics, "record_step")]  # fmt: skip
+    totals: dict[str, float] = defaultdict(float)
+    recording = [False]
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            if not recording[0]:
+                return fn(*a, **k)
+            sync(device)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            sync(device)
+            totals[name] += time.perf_counter() - t0
+            return out
+
+        return wrapper
+
+    patched = [(obj, attr) for _, obj, attr in stages if obj is not None]
+    for name, obj, attr in stages:
+        if obj is not None:
+            setattr(obj, attr, timed(name, getattr(obj, attr)))
+    try:
+        original_step = engine.step
+
+        def step():
+            recording[0] = True
+            sync(device)
+            t0 = time.perf_counter()
+            out = original_step()
+            sync(device)
+            totals["step (total)"] += time.perf_counter() - t0
+            recording[0] = False
+            return out
+
+        engine.step = step
+        from research_lm import SamplingParams
+
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2 + steps, ignore_eos=True))
+        original_step()  # prefill
+        original_step()
+        for _ in range(steps):
+            engine.step()
+    finally:
+        engine.__dict__.pop("step", None)
+        for obj, attr in patched:
+            obj.__dict__.pop(attr, None)
+    out = {k: v / steps * 1e3 for k, v in totals.items()}
+    out["other (metadata, outputs, engine)"] = out["step (total)"] - sum(
+        v for k, v in out.items() if k != "step (total)"
+    )
+    return out
+
+
+def kernel_profile(engine, prompt: list[int], steps: int) -> dict[str, Any]:
+    """The CUDA kernels of `steps` decode steps: time per step, and the top kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from research_lm import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2 + steps, ignore_eos=True))
+    engine.step()
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+    torch.cuda.synchronize()
+    kernels = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+        if t > 0 and evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append((evt.key, t / 1e3 / steps, evt.count // steps))
+    kernels.sort(key=lambda k: -k[1])
+    return {
+        "kernel_ms_per_step": sum(k[1] for k in kernels),
+        "top": [{"kernel": k[:90], "ms_per_step": ms, "launches_per_step": n} for k, ms, n in kernels[:10]],
+    }
+
+
+def research_lm_rows(path: str, args, prompt: list[int], device: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for graphs in (False, True):
+        label = "research_lm " + ("CUDA graphs" if graphs else "eager")
+        row: dict[str, Any] = {"variant": label, "backend": args.backend}
+        try:
+            llm = build_llm(path, args, graphs)
+            engine = llm.engine
+            if graphs and engine.runner.cuda_graphs is None:
+                raise RuntimeError("graphs were not captured (see the warning above)")
+            times = decode_steps(engine, prompt, args.warmup, args.steps)
+            row |= {"ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
+                    "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3}  # fmt: skip
+            forward = {"variant": f"{label}: forward alone", "ms": forward_alone_ms(engine, device)}
+            if args.profile:
+                row["stages_ms"] = stage_profile(engine, prompt, args.profile_steps, device)
+                if device.type == "cuda" and not graphs:
+                    row["kernels"] = kernel_profile(engine, prompt, 8)
+            rows += [row, forward]
+        except Exception as e:  # reported in the table, not fatal: the other rows still run
+            rows.append(row | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+        finally:
+            llm = engine = None
+            free_cuda()
+    return rows
+
+
+def hf_rows(args, prompt: list[int], device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    rows = []
+    shape = TINY if args.tiny else LLAMA_3_2_1B
+    model = hf_model(shape, device, dtype)
+    ids = torch.tensor([prompt], device=device)
+
+    def generate(n: int, **kw) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, **kw)
+        sync(device)
+        assert out.shape[1] == ids.shape[1] + n, out.shape
+        return time.perf_counter() - t0
+
+    variants = [("transformers dynamic cache", {}, args.hf_dynamic_steps),
+                ("transformers static cache (compiled)", {"cache_implementation": "static"}, args.steps)]  # fmt: skip
+    if args.skip_hf_static:
+        variants = variants[:1]
+    for label, kw, n in variants:
+        row: dict[str, Any] = {"variant": label, "transformers_steps": n}
+        try:
+            row["first_call_s"] = generate(n, **kw)  # static: includes torch.compile
+            t1 = min(generate(1, **kw) for _ in range(3))
+            tn = min(generate(n, **kw) for _ in range(2))
+            row["ms"] = (tn - t1) / (n - 1) * 1e3
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        rows.append(row)
+    model = None
+    free_cuda()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--tiny", action="store_true", help="a tiny shape: a smoke run of the code paths")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=16)
+    p.add_argument("--hf-dynamic-steps", type=int, default=32, help="the dynamic cache is slow: fewer steps")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf-static", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=32)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    shape = TINY if args.tiny else LLAMA_3_2_1B
+    env = environment(device)
+    print(env_line(env), flush=True)
+    copy_bw = copy_bandwidth(device)
+    path = model_dir(shape)
+    prompt = [random.Random(0).randrange(shape["vocab_size"]) for _ in range(args.prompt_len)]
+
+    from research_lm.models.loader import build_model, load_config
+
+    probe = build_model(load_config(path), device="cpu", dtype=dtype, attention_backend="torch_ref")  # torch.empty
+    wbytes = weight_bytes(probe)
+    floor_ms = wbytes / copy_bw * 1e3
+    rows: list[dict[str, Any]] = [{"variant": "floor: weight bytes / copy bandwidth", "ms": floor_ms}]
+    payload: dict[str, Any] = {
+        "env": env, "copy_tb_s": copy_bw / 1e12, "weight_bytes": wbytes, "shape": shape, "dtype": args.dtype,
+        "prompt_len": args.prompt_len, "steps": args.steps, "warmup": args.warmup, "rows": rows,
+    }  # fmt: skip
+
+    def save() -> str:
+        table = render(payload)
+        write_results(NAME if not args.tiny else NAME + "_tiny", table, payload)
+        return table
+
+    rows += research_lm_rows(path, args, prompt, device)
+    save()
+    if not args.skip_hf:
+        rows += hf_rows(args, prompt, device, dtype)
+    table = save()
+    print(table)
+
+
+def render(payload: dict[str, Any]) -> str:
+    rows = payload["rows"]
+    floor = rows[0]["ms"]
+    static = next((r.get("ms") for r in rows if r["variant"].startswith("transformers static")), None)
+    s = payload["shape"]
+    head = (
+        f"{env_line(payload['env'])}\n\nBatch-1 decode, Llama-3.2-1B shape (hidden {s['hidden_size']}, "
+        f"{s['num_hidden_layers']} layers, {s['num_attention_heads']}/{s['num_key_value_heads']} heads, vocab "
+        f"{s['vocab_size']}, tied), random weights, {payload['dtype']}; prompt {payload['prompt_len']} tokens, "
+        f"median of {payload['steps']} decode steps after {payload['warmup']}. Weights "
+        f"{payload['weight_bytes'] / 1e9:.3f} GB; copy bandwidth {payload['copy_tb_s']:.2f} TB/s (read+write, "
+        f"measured in this run). \"× floor\": ms / floor ms; \"vs HF static\": transformers static ms / ms.\n"
+    )
+    lines = []
+    stages = [r for r in rows if "stages_ms" in r]
+    if stages:
+        names = list(stages[0]["stages_ms"])
+        lines += ["Stages of a research_lm decode step, ms (a device sync closes each stage, so each carries its "
+                  "GPU work; the step total is therefore a little above the unsynchronized median):", "",
+                  "| stage | " + " | ".join(r["variant"] for r in stages) + " |",
+                  "| --- |" + " ---: |" * len(stages)]  # fmt: skip
+        for n in names:
+            lines.append(f"| {n} | " + " | ".join(f"{r['stages_ms'].get(n, 0.0):.3f}" for r in stages) + " |")
+        lines.append("")
+    for r in rows:
+        if "kernels" in r:
+            k = r["kernels"]
+            lines += [f"CUDA kernels of a {r['variant']} step: {k['kernel_ms_per_step']:.3f} ms of kernel time per "
+                      "step; the top ones:", "", "| kernel | ms/step | launches/step |",
+                      "| --- | ---: | ---: |"]  # fmt: skip
+            lines += [f"| `{t['kernel']}` | {t['ms_per_step']:.3f} | {t['launches_per_step']} |" for t in k["top"]]
+            lines.append("")
+    lines += [head, "| variant | ms/step | tok/s | × floor | vs HF static | note |",
+              "| --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"| {r['variant']} | — | — | — | — | {r.get('error', '')} |")
+            continue
+        ms = r["ms"]
+        note = r.get("error", "")
+        if "p90_ms" in r:
+            note = f"mean {r['mean_ms']:.3f}, p90 {r['p90_ms']:.3f}"
+        if "first_call_s" in r:
+            note = f"first call (compile, warm-up) {r['first_call_s']:.1f} s; {r['transformers_steps']} tokens"
+        vs = f"{static / ms:.2f}" if static else "—"
+        lines.append(f"| {r['variant']} | {ms:.3f} | {1e3 / ms:.0f} | {ms / floor:.2f} | {vs} | {note} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
