@@ -1,6 +1,6 @@
-"""Recipe for the built-in `tiny-llama`: a byte-level BPE tokenizer trained on the stdlib corpus and a
-seeded random-weight Llama saved with `transformers.save_pretrained` (so it takes the same loading path
-as any Hugging Face checkpoint). Re-run with `python -m research_lm.assets.build_tiny`.
+"""Step one of the built-in `tiny-llama`: a byte-level BPE tokenizer trained on the stdlib corpus and a
+seeded random-init Llama saved with `transformers.save_pretrained`. Step two trains its weights with
+`experiment=train_target` (see assets/README.md). Re-run with `python -m research_lm.assets.build_tiny`.
 """
 
 from __future__ import annotations
