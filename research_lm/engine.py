@@ -117,6 +117,7 @@ class LLMEngine:
             gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks=c.num_gpu_blocks,
             max_num_seqs=c.max_num_seqs, max_model_len=info.max_model_len, block_size=c.block_size,
             activation_bytes=activation, state_bytes=self.runner.state_bytes(info.dtype),
+            num_lookahead_tokens=getattr(self.runner.proposer, "num_lookahead_tokens", 0),
         )
 
     def _dummy_forward(self) -> None:

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import random
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
 from research_lm.config import EngineConfig
 from research_lm.env_info import environment
 from research_lm.llm import LLM
 from research_lm.loggers import get_logger
+from research_lm.metrics import EngineMetrics
 from research_lm.workloads import WorkloadSpec, build_workload
 
 _TASKS: dict[str, Any] = {}
@@ -36,18 +43,64 @@ def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None) -> dict[
         importlib.import_module(_TASK_MODULES[cfg.task])
     if cfg.task not in _TASKS:
         raise ValueError(f"unknown task {cfg.task!r}; choose one of {sorted(set(_TASKS) | set(_TASK_MODULES))}")
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    seed_everything(cfg.seed, deterministic=bool(cfg.deterministic))
     run_dir.mkdir(parents=True, exist_ok=True)
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
     logger = get_logger(**OmegaConf.to_container(cfg.logger, resolve=True))
-    logger.start(run_dir, flat, name=run_dir.name, group=cfg.sweep_name or sweep_group)
+    group = cfg.sweep_name or sweep_group
+    logger.start(run_dir, flat, name=run_dir.name, group=group)
     try:
         results = _TASKS[cfg.task](cfg, run_dir, logger)
         logger.summary(results["summary"])
     finally:
         logger.finish()
+    record_reproducibility(cfg, run_dir, results, group)
     return results
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python, numpy and torch. `deterministic`: torch's deterministic algorithms (warn, not fail,
+    where an op has none), cuDNN autotuning off, and CUBLAS_WORKSPACE_CONFIG=:4096:8 (cuBLAS needs it
+    for deterministic GEMMs; it only takes effect before the first CUDA call, so it is set here, before
+    any model is built). CPU runs are bit-identical for the same thread count either way; GPU runs are
+    as deterministic as torch allows (atomics in some kernels, e.g. Triton split-K reductions, are not)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+
+
+def record_reproducibility(cfg: DictConfig, run_dir: Path, results: dict[str, Any], group: str | None) -> None:
+    """Add what re-running needs to results.json (whatever task wrote it): seeds, the deterministic
+    switch, the command-line overrides, the sweep group, the thread count and the re-run command."""
+    path = run_dir / "results.json"
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    overrides = list(OmegaConf.load(overrides_file)) if overrides_file.is_file() else None
+    seeds = {"seed": cfg.seed}
+    for key in ("workload", "model"):
+        block = cfg.get(key)
+        if isinstance(block, DictConfig):
+            value = block.get("seed") if key == "workload" else (block.get("random") or {}).get("seed")
+            if value is not None:
+                seeds[f"{key}_seed"] = value
+    data["reproducibility"] = {
+        "seeds": seeds,
+        "deterministic": bool(cfg.deterministic),
+        "overrides": overrides,
+        "sweep_group": group,
+        "torch_num_threads": torch.get_num_threads(),
+        "rerun": f"python -m research_lm.reproduce {run_dir}",
+    }
+    data.setdefault("config", OmegaConf.to_container(cfg, resolve=True))
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    results["reproducibility"] = data["reproducibility"]
 
 
 def engine_config(cfg: DictConfig) -> EngineConfig:
@@ -63,46 +116,308 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         mla_backend=cfg.attention.get("mla_backend", "mla_torch_ref"),
         mamba_backend=cfg.attention.get("mamba_backend", "mamba_torch_ref"),
         eplb_config=OmegaConf.to_container(cfg.eplb, resolve=True) if "eplb" in cfg else None,
+        cuda_graphs=r.get("cuda_graphs", False), cuda_graph_sizes=_list_or_none(r.get("cuda_graph_sizes")),
+        load_format=m.get("load_format", "auto"),
     )
+
+
+def _list_or_none(x: Any) -> list[int] | None:
+    return None if x is None else [int(v) for v in x]
 
 
 @register_task("generate")
 def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
-    """Run the workload once through the engine; write results.json, env.json and samples.jsonl."""
-    llm = LLM(**vars(engine_config(cfg)))
-    w = OmegaConf.to_container(cfg.workload, resolve=True)
-    w = {k: tuple(v) if isinstance(v, list) else v for k, v in w.items()}
-    workload = build_workload(WorkloadSpec(**w), llm.engine.info.vocab_size)
-    if cfg.warmup_requests:
-        n = cfg.warmup_requests
-        llm.generate(workload.prompts[:n], workload.params[:n], use_tqdm=False)
-    llm.engine.metrics.reset()
-    outputs = llm.generate(workload.prompts, workload.params)
-    metrics = llm.engine.metrics
-    for step in metrics.steps:
-        logger.log(step, step=step["step"])
-    summary = metrics.summary()
-    eplb = llm.engine.eplb.summary() if llm.engine.eplb is not None else None  # MoE models only
-    if eplb is not None:
-        summary.update({f"eplb_{k}": v for k, v in eplb.items() if isinstance(v, int | float | str | bool)})
-    info = llm.engine.info
+    """Run the workload through the engine (arriving all at once, or at `workload.request_rate`); with a
+    `baseline:` block, run the same workload again on the baseline config and report the ratios.
+    Writes results.json, env.json and samples.jsonl (token ids included)."""
+    cfg = with_spec_head(cfg, run_dir)
+    main = run_workload(cfg, run_dir, logger=logger)
+    summary = dict(main["summary"])
+    baseline = None
+    if cfg.get("baseline"):
+        print("baseline: " + json.dumps(OmegaConf.to_container(cfg.baseline, resolve=True)), flush=True)
+        baseline = run_workload(baseline_config(cfg), run_dir / "baseline")
+        summary.update(compare_to_baseline(main, baseline))
     results = {
         "summary": summary,
-        "model": {"path": info.path, "dtype": str(info.dtype), "num_kv_blocks": llm.engine.num_blocks},
-        "workload": {"kind": w["kind"], "num_requests": len(workload.prompts), "hash": workload.source_hash},
+        "model": main["model"],
+        "workload": main["workload"],
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "eplb": eplb,
-        "env": environment(info.device),
+        "eplb": main["eplb"],
+        "baseline": None if baseline is None else {
+            "summary": baseline["summary"], "model": baseline["model"], "workload": baseline["workload"],
+            "overrides": OmegaConf.to_container(cfg.baseline, resolve=True)},
+        "env": environment(main["device"]),
     }
     (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     (run_dir / "env.json").write_text(json.dumps(results["env"], indent=2) + "\n")
-    with open(run_dir / "samples.jsonl", "w") as f:
-        for out in outputs:
-            f.write(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
-                                "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
-                                "error": out.error}) + "\n")
+    write_samples(run_dir / "samples.jsonl", main["outputs"])
+    if baseline is not None:
+        write_samples(run_dir / "baseline" / "samples.jsonl", baseline["outputs"])
     print_table(summary, run_dir)
     return results
+
+
+# spec.method -> the training preset that writes its head (conf/experiment/<preset>.yaml, train.output_dir)
+SPEC_HEAD_PRESETS = {"eagle3": "train_eagle3", "eagle": "train_eagle", "medusa": "train_medusa",
+                     "draft_model": "train_draft"}
+
+
+def with_spec_head(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """With a `spec_head:` block and a model-based `spec.method` whose `spec.model` is null: point spec.model
+    at the head its training preset writes (train_<method>'s train.output_dir, relative to the working
+    directory) and, when that head does not exist yet, train it first with that preset shortened to
+    `spec_head.train_steps` steps (into <run_dir>/prepare). Later runs reuse the head. Otherwise cfg as is."""
+    method = cfg.spec.get("method")
+    if not cfg.get("spec_head") or method not in SPEC_HEAD_PRESETS or cfg.spec.get("model"):
+        return cfg
+    preset = OmegaConf.load(CONF_DIR / "experiment" / f"{SPEC_HEAD_PRESETS[method]}.yaml")
+    head = Path(str(preset.train.output_dir))
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    cfg.spec.model = str(head)
+    if (head / "config.json").is_file():
+        return cfg
+    steps = int(cfg.spec_head.train_steps)
+    print(f"spec_head: no {method} head at {head}: training one with experiment={preset.task} "
+          f"train.steps={steps} (the full recipe: python -m research_lm experiment={preset.task}); "
+          "later runs reuse it", flush=True)
+    train = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    train.task = preset.task
+    train.train = preset.train
+    train.train.steps = steps
+    train.train.save_every = 0
+    train.train.progress = False
+    train.train.target = str(prepare_model(cfg, run_dir) or cfg.model.name)
+    if preset.task not in _TASKS:
+        importlib.import_module(_TASK_MODULES[preset.task])
+    (run_dir / "prepare").mkdir(parents=True, exist_ok=True)
+    _TASKS[preset.task](train, run_dir / "prepare", get_logger("none"))
+    return cfg
+
+
+def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
+    """Build the engine and the workload of `cfg`, serve it once (after `warmup_requests` discarded
+    requests) and return the summary, the outputs and what identifies the model and the requests."""
+    model_dir = prepare_model(cfg, run_dir)
+    config = engine_config(cfg)
+    if model_dir is not None:
+        config.model = str(model_dir)
+    llm = LLM(**vars(config))
+    engine = llm.engine
+    engine.metrics = AcceptanceMetrics()  # + per-position acceptance and tau, when drafts are verified
+    w = OmegaConf.to_container(cfg.workload, resolve=True)
+    w = {k: tuple(v) if isinstance(v, list) else v for k, v in w.items()}
+    workload = build_workload(WorkloadSpec(**w), engine.info.vocab_size)
+    if cfg.warmup_requests:
+        n = cfg.warmup_requests
+        llm.generate(workload.prompts[:n], workload.params[:n], use_tqdm=False)
+    engine.metrics.reset()
+    outputs = serve(engine, workload.prompts, workload.params, workload.arrival_times)
+    metrics = engine.metrics
+    if logger is not None:
+        for step in metrics.steps:
+            logger.log(step, step=step["step"])
+    summary = metrics.summary()
+    summary.update(decode_step_stats(metrics.steps))
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    if summary.get("decode_step_ms_median"):  # the weights are read once per decode step, at least
+        summary["decode_weight_gb_s"] = weight_bytes / (summary["decode_step_ms_median"] * 1e-3) / 1e9
+    info = engine.info
+    page_bytes = engine.runner.page_size_bytes(info.dtype)
+    state_bytes = engine.runner.state_bytes(info.dtype)
+    memory = {
+        # KV bytes one more token of context costs (all layers); 0 for a pure state-space model
+        "kv_bytes_per_token": page_bytes / config.block_size,
+        # fixed per-request state (Mamba conv + SSM), all layers
+        "state_bytes_per_request": state_bytes / config.max_num_seqs,
+        # peak KV memory the run touched: blocks in use at the busiest step
+        "kv_bytes_used_max": round(summary.get("kv_cache_usage_max", 0.0) * engine.num_blocks) * page_bytes,
+    }
+    summary.update(memory)
+    if workload.arrival_times is not None:
+        span = workload.arrival_times[-1] if len(workload.arrival_times) > 1 else 0.0
+        summary["request_rate"] = w["request_rate"]
+        summary["offered_request_rate"] = (len(workload.arrival_times) - 1) / span if span > 0 else float("inf")
+    eplb = engine.eplb.summary() if engine.eplb is not None else None  # MoE models only
+    if eplb is not None:
+        summary.update({f"eplb_{k}": v for k, v in eplb.items() if isinstance(v, int | float | str | bool)})
+    return {
+        "summary": summary,
+        "outputs": outputs,
+        "eplb": eplb,
+        "device": info.device,
+        "model": {"path": info.path, "dtype": str(info.dtype), "num_kv_blocks": engine.num_blocks,
+                  "num_params": sum(p.numel() for p in engine.model.parameters()), "weight_bytes": weight_bytes,
+                  "kv_page_bytes": page_bytes, "block_size": config.block_size,
+                  "random": _random_recipe(model_dir)},
+        "workload": {"kind": w["kind"], "num_requests": len(workload.prompts), "hash": workload.source_hash,
+                     "fingerprint": workload.fingerprint(), "seed": w.get("seed"),
+                     "request_rate": w.get("request_rate")},
+    }
+
+
+def prepare_model(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """A `model.random` block (conf/model/random-*.yaml): build that seeded random checkpoint into
+    <run_dir>/model and return its directory; otherwise None (model.name is loaded as it is)."""
+    spec = cfg.model.get("random")
+    if not spec:
+        return None
+    from research_lm.random_checkpoints import build_random_checkpoint
+
+    spec = OmegaConf.to_container(spec, resolve=True)
+    return build_random_checkpoint(run_dir / "model", spec["architecture"], spec.get("config") or {},
+                                   seed=int(spec.get("seed", cfg.seed)), tokenizer=spec.get("tokenizer", "tiny-llama"),
+                                   dtype=spec.get("dtype", "float32"))
+
+
+def _random_recipe(model_dir: Path | None) -> dict[str, Any] | None:
+    if model_dir is None:
+        return None
+    from research_lm.random_checkpoints import RECIPE
+
+    return json.loads((model_dir / RECIPE).read_text())
+
+
+def serve(engine, prompts: list, params: list, arrival_times: list[float] | None = None, *,
+          clock=time.perf_counter, sleep=time.sleep, progress: bool = True) -> list:
+    """Feed requests to `engine` as they arrive and step it until all finish; outputs in prompt order.
+
+    arrival_times[i]: seconds after the start at which request i arrives (non-decreasing); None: all at
+    t = 0 (the offline batch, as `LLM.generate`). Arrivals are checked between engine steps: a request
+    arriving during a step is queued when the step ends, and its arrival time is set to when it arrived,
+    so its TTFT includes that wait (latency under load). When nothing is running the driver sleeps
+    until the next arrival. `clock` and `sleep` are injectable for tests (a simulated clock)."""
+    n = len(prompts)
+    arrivals = list(arrival_times) if arrival_times is not None else [0.0] * n
+    if len(arrivals) != n or any(b < a for a, b in zip(arrivals, arrivals[1:])):
+        raise ValueError("arrival_times must be non-decreasing, one per prompt")
+    order: dict[str, int] = {}
+    results: list = [None] * n
+    nxt = 0
+    t0 = clock()
+    with tqdm(total=n, desc="generate", disable=not progress, dynamic_ncols=True) as bar:
+        while nxt < n or engine.has_unfinished_requests():
+            now = clock() - t0 + 1e-6  # a sleep that ends a hair early (clock rounding) still admits
+            while nxt < n and arrivals[nxt] <= now:
+                req = engine.add_request(prompts[nxt], params[nxt])
+                req.arrival_time = t0 + arrivals[nxt]
+                order[req.request_id] = nxt
+                nxt += 1
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+            elif nxt < n:
+                sleep(max(0.0, arrivals[nxt] - (clock() - t0)))
+    return results
+
+
+@dataclass
+class AcceptanceMetrics(EngineMetrics):
+    """EngineMetrics plus speculative-decoding acceptance: per draft position j, the fraction of
+    verified drafts at position j that were accepted, and the mean acceptance length tau (vLLM's
+    definition: tokens emitted per target forward of a request that verified drafts = 1 + accepted /
+    verifications). Without drafts it adds nothing."""
+
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    num_verifications: int = 0
+    num_accepted: int = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.drafted_at, self.accepted_at = [], []
+        self.num_verifications = self.num_accepted = 0
+
+    def record_step(self, sched, out, stats, seconds) -> None:
+        super().record_step(sched, out, stats, seconds)
+        for k, emitted in zip(out.num_draft_tokens or [], out.sampled_token_ids):
+            if k <= 0 or not emitted:
+                continue
+            accepted = min(len(emitted) - 1, k)
+            if len(self.drafted_at) < k:
+                grow = k - len(self.drafted_at)
+                self.drafted_at += [0] * grow
+                self.accepted_at += [0] * grow
+            for j in range(k):
+                self.drafted_at[j] += 1
+                self.accepted_at[j] += j < accepted
+            self.num_verifications += 1
+            self.num_accepted += accepted
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        if self.num_verifications:
+            out["mean_acceptance_length"] = 1.0 + self.num_accepted / self.num_verifications
+            for j, (d, a) in enumerate(zip(self.drafted_at, self.accepted_at)):
+                out[f"acceptance_rate_pos{j}"] = a / d if d else 0.0
+        return out
+
+
+def decode_step_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Step time of pure decode steps (every scheduled request computes one token plus the drafts it
+    verifies; no prefill): ms per step."""
+    times = [s["step_time_s"] * 1e3 for s in steps
+             if s["num_reqs"] and s["num_scheduled_tokens"] == s["num_reqs"] + s.get("num_draft_tokens", 0)]
+    if not times:
+        return {}
+    arr = np.asarray(times)
+    return {"decode_step_ms_median": float(np.median(arr)), "decode_step_ms_p90": float(np.percentile(arr, 90)),
+            "num_decode_steps": len(times)}
+
+
+# Group names of conf/: a string value for one of them in a `baseline:` block names that group's option.
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def baseline_config(cfg: DictConfig) -> DictConfig:
+    """`cfg` with its `baseline:` block applied: `group: option` replaces a config group with that
+    option (e.g. `model: random-llama`, `spec: none`); any other key (or a mapping) is merged as an
+    override (e.g. `spec: {num_speculative_tokens: 0}`, `runner: {max_num_seqs: 1}`)."""
+    base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for key, value in OmegaConf.to_container(cfg.baseline, resolve=False).items():
+        option = CONF_DIR / key / f"{value}.yaml" if isinstance(value, str) else None
+        if option is not None and (CONF_DIR / key).is_dir():
+            if not option.is_file():
+                options = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+                raise ValueError(f"baseline: unknown {key} {value!r}; choose one of: {', '.join(options)}")
+            base[key] = OmegaConf.load(option)
+        else:
+            base = OmegaConf.merge(base, {key: value})
+    base.baseline = None
+    return base
+
+
+# summary key -> name of its ratio to the baseline (this run / baseline)
+_RATIOS = {"output_throughput_tok_s": "speedup", "tpot_ms_mean": "tpot_ratio",
+           "decode_step_ms_median": "decode_step_ratio", "kv_bytes_per_token": "kv_bytes_per_token_ratio",
+           "kv_bytes_used_max": "kv_bytes_used_ratio", "ttft_ms_mean": "ttft_ratio"}
+
+
+def compare_to_baseline(main: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The baseline's key metrics (prefixed baseline_), ratios this run / baseline, and the fraction of
+    requests whose output tokens are identical (1.0 expected for greedy speculative decoding)."""
+    out: dict[str, Any] = {}
+    s, b = main["summary"], base["summary"]
+    for key, ratio in _RATIOS.items():
+        if key in b:
+            out[f"baseline_{key}"] = b[key]
+            if key in s and b[key]:
+                out[ratio] = s[key] / b[key]
+    same = [m is not None and r is not None and m.outputs[0].token_ids == r.outputs[0].token_ids
+            for m, r in zip(main["outputs"], base["outputs"])]
+    out["outputs_match_baseline"] = sum(same) / len(same) if same else 1.0
+    return out
+
+
+def write_samples(path: Path, outputs: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for out in outputs:
+            f.write(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
+                                "text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids,
+                                "finish_reason": out.outputs[0].finish_reason, "error": out.error}) + "\n")
 
 
 def print_table(summary: dict[str, Any], run_dir: Path) -> None:
@@ -123,3 +438,95 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+@register_task("eplb_replay")
+def eplb_replay(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
+    """Replay expert-load traces through every EPLB policy offline (`research_lm.eplb.replay`) and compare
+    balancedness over time. Traces: a synthetic drifting Zipf trace (`eplb_replay.synthetic`), a recorded
+    trace file (`eplb_replay.trace`, written by a run with `eplb.record_trace=<path>`), and/or one
+    recorded here from a model (`eplb_replay.record_model`: a model option such as random-qwen3-moe,
+    served the run's workload). Writes results.json (a row per trace x policy, the per-step curves) and
+    eplb_balancedness.png."""
+    from research_lm.eplb import load_trace, replay, zipf_trace
+
+    r = OmegaConf.to_container(cfg.eplb_replay, resolve=True)
+    traces: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
+    if r.get("synthetic"):
+        syn = dict(r["synthetic"])
+        load = zipf_trace(syn.pop("num_steps"), syn.pop("num_layers"), syn.pop("num_experts"),
+                          seed=int(syn.pop("seed", cfg.seed)), **syn)
+        traces["zipf"] = (load, {"source": "synthetic zipf", **r["synthetic"]})
+    if r.get("trace"):
+        t = load_trace(r["trace"])
+        traces[Path(r["trace"]).stem] = (t.load, {"source": str(r["trace"]), **t.meta})
+    if r.get("record_model"):
+        path = record_model_trace(cfg, r["record_model"], run_dir / "record")
+        t = load_trace(path)
+        traces[f"model:{r['record_model']}"] = (t.load, {"source": str(path), **t.meta})
+    if not traces:
+        raise ValueError("eplb_replay needs a trace: set eplb_replay.synthetic, eplb_replay.trace or "
+                         "eplb_replay.record_model")
+    rows, curves = [], {}
+    for trace_name, (load, meta) in traces.items():
+        num_experts = load.shape[-1]
+        num_groups = int(r.get("num_groups") or meta.get("num_groups") or 1)
+        num_replicas = num_experts + int(r["num_redundant_experts"])
+        curves[trace_name] = {}
+        for name in r["policies"]:
+            policy, max_rebalances = ("deepseek", 1) if name == "static" else (name, None)
+            res = replay(load, policy, num_replicas, num_groups, int(r["num_nodes"]), int(r["num_ep_ranks"]),
+                         step_interval=int(r["step_interval"]), window_size=int(r["window_size"]),
+                         max_rebalances=max_rebalances)
+            rows.append({"trace": trace_name, **res.summary(), "policy": name,
+                         "num_steps": int(load.shape[0]), "num_layers": int(load.shape[1]),
+                         "num_experts": num_experts})
+            curves[trace_name][name] = [round(float(v), 5) for v in res.balancedness]
+    for trace_name, per_policy in curves.items():  # one logged step per trace step, every policy in it
+        for step in range(len(next(iter(per_policy.values())))):
+            logger.log({f"balancedness/{trace_name}/{p}": c[step] for p, c in per_policy.items()}, step=step)
+    summary = {f"{row['trace']}/{row['policy']}/balancedness_total": row["balancedness_total"] for row in rows}
+    results = {
+        "summary": summary,
+        "rows": rows,
+        "curves": curves,
+        "traces": {k: {"shape": list(v[0].shape), "meta": v[1]} for k, v in traces.items()},
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "env": environment(torch.device("cpu")),
+    }
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (run_dir / "env.json").write_text(json.dumps(results["env"], indent=2) + "\n")
+    from research_lm.report import plot_balancedness
+
+    plot_balancedness(curves, run_dir / "eplb_balancedness.png",
+                      subtitle=f"{r['num_ep_ranks']} EP ranks, rebalance every {r['step_interval']} steps")
+    print_eplb_rows(rows)
+    print(f"\nresults: {run_dir / 'results.json'}")
+    return results
+
+
+def record_model_trace(cfg: DictConfig, model_option: str, run_dir: Path) -> Path:
+    """Serve the run's workload on `model_option` (a conf/model option, or a checkpoint directory) with
+    identity placement, recording the per-step expert load; return the trace file."""
+    rec = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    option = CONF_DIR / "model" / f"{model_option}.yaml"
+    if option.is_file():
+        rec.model = OmegaConf.load(option)
+    else:
+        rec.model = OmegaConf.merge(OmegaConf.load(CONF_DIR / "model" / "hf.yaml"), {"name": model_option})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trace = run_dir / "trace.npz"
+    rec.eplb = OmegaConf.merge(OmegaConf.load(CONF_DIR / "eplb" / "none.yaml"), {"record_trace": str(trace)})
+    rec.baseline = None
+    out = run_workload(rec, run_dir)
+    if out["eplb"] is None or not trace.is_file():
+        raise ValueError(f"model {model_option!r} recorded no expert load: is it a MoE model?")
+    return trace
+
+
+def print_eplb_rows(rows: list[dict[str, Any]]) -> None:
+    print("\n| trace | policy | balancedness (time-weighted) | mean | min | rebalances | ms / rebalance |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['trace']} | {r['policy']} | {r['balancedness_total']:.3f} | {r['balancedness_mean']:.3f} | "
+              f"{r['balancedness_min']:.3f} | {r['num_rebalances']} | {r['rebalance_ms_median']:.2f} |")

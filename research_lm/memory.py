@@ -30,13 +30,14 @@ def num_kv_blocks(
     block_size: int,
     activation_bytes: int = 0,
     state_bytes: int = 0,  # per-request state (Mamba slots), allocated before the blocks
+    num_lookahead_tokens: int = 0,  # a drafter's slots past the verified tokens
 ) -> int:
     """CUDA: the blocks that fit in `utilization × total` after weights and activations.
     CPU: enough for every sequence at full length (+ the null block), capped at that fraction of
     half the RAM, since a CPU run shares memory with everything else."""
     if num_gpu_blocks is not None:
         return num_gpu_blocks
-    wanted = max_num_seqs * -(-max_model_len // block_size) + 1
+    wanted = max_num_seqs * -(-(max_model_len + num_lookahead_tokens) // block_size) + 1
     if page_size_bytes == 0:  # no paged layers (pure Mamba): block ids cost nothing, give every request its own
         return wanted
     if device.type == "cuda":

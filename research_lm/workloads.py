@@ -1,8 +1,11 @@
-"""Built-in workloads: code from the stdlib, prose from pydoc topics, synthetic lengths, JSONL files."""
+"""Built-in workloads: code from the stdlib, prose from pydoc topics, synthetic lengths, JSONL files;
+and when each request arrives (all at once, or a Poisson / gamma process at `request_rate`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +30,25 @@ class WorkloadSpec:
     ignore_eos: bool = False
     path: str | None = None  # jsonl
     seed: int = 0
+    request_rate: float | None = None  # requests/s of a Poisson process; None or inf: all arrive at t = 0
+    burstiness: float = 1.0  # gamma shape of the inter-arrival times (1: Poisson; < 1 burstier; > 1 steadier)
 
 
 @dataclass
 class Workload:
     prompts: list[str | list[int]]
     params: list[SamplingParams]
-    source_hash: str  # identifies the prompts (corpus hash or file hash)
+    source_hash: str  # identifies the prompts' source (corpus hash or file hash)
+    arrival_times: list[float] | None = None  # seconds after the start; None: all at t = 0
+
+    def fingerprint(self) -> str:
+        """sha256 (16 hex) over the exact prompts, their sampling parameters and arrival times: two runs
+        with the same fingerprint were given the same requests."""
+        h = hashlib.sha256()
+        for prompt, params in zip(self.prompts, self.params, strict=True):
+            h.update(json.dumps([prompt, repr(params)]).encode())
+        h.update(json.dumps(self.arrival_times).encode())
+        return h.hexdigest()[:16]
 
 
 def build_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
@@ -41,7 +56,29 @@ def build_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
         raise ValueError(f"unknown workload kind {spec.kind!r}; choose one of {list(WORKLOAD_KINDS)}")
     rng = random.Random(spec.seed)
     build = {"code": _code, "prose": _prose, "synthetic": _synthetic, "jsonl": _jsonl}[spec.kind]
-    return build(spec, rng, vocab_size)
+    workload = build(spec, rng, vocab_size)
+    if spec.request_rate is not None and not math.isinf(spec.request_rate):
+        # its own stream: turning arrivals on does not change the prompts
+        workload.arrival_times = arrival_times(len(workload.prompts), spec.request_rate,
+                                               burstiness=spec.burstiness, seed=spec.seed)
+    return workload
+
+
+def arrival_times(num_requests: int, request_rate: float, *, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Arrival times (seconds after the start, non-decreasing) of `num_requests` requests: the first at
+    t = 0, then gaps drawn i.i.d. from a gamma distribution of mean 1 / request_rate and shape
+    `burstiness` (1: exponential gaps, a Poisson process; vLLM's benchmark_serving convention)."""
+    if request_rate <= 0 or math.isnan(request_rate):
+        raise ValueError(f"workload.request_rate must be > 0 (or null/inf for all at once), got {request_rate}")
+    if burstiness <= 0:
+        raise ValueError(f"workload.burstiness must be > 0, got {burstiness}")
+    rng = random.Random(f"arrivals:{seed}")
+    times, t = [], 0.0
+    for i in range(num_requests):
+        if i:
+            t += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+        times.append(t)
+    return times
 
 
 def _params(spec: WorkloadSpec, max_tokens: int, seed: int) -> SamplingParams:
@@ -111,6 +148,4 @@ def _jsonl(spec: WorkloadSpec, rng: random.Random, vocab_size: int) -> Workload:
         params.append(_params(spec, max_tokens, spec.seed * 100_003 + line_no))
         if len(prompts) == spec.num_requests:
             break
-    import hashlib
-
     return Workload(prompts, params, hashlib.sha256(path.read_bytes()).hexdigest()[:16])

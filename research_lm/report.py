@@ -1,0 +1,324 @@
+"""`python -m research_lm.report <run or multirun dir>`: every job's results.json -> report.md + PNG plots.
+
+    python -m research_lm -m experiment=quickstart runner.max_num_seqs=1,4 workload.max_tokens=16,32
+    python -m research_lm.report multirun/<date>/<time>
+
+Collects the results.json of the directory itself, or of every job below it (a directory holding a
+results.json is one job; its subdirectories are not searched). The swept keys are the command-line
+overrides whose values differ between jobs (from each job's .hydra/overrides.yaml, else the config
+values that differ). Writes, next to the runs:
+- report.md: what was run (commit, device, command), a markdown table with a row per job: the swept
+  keys and the key metrics of its task (throughput, latency, KV memory, acceptance, speedup, ...);
+  for `eplb_replay` jobs a row per trace x policy;
+- report_<metric>_vs_<key>.png: each key metric against each numeric swept key, one line per
+  combination of the other swept keys (e.g. throughput vs batch per attention backend; tau and
+  speedup vs k per proposer); report_<metric>.png: a bar per job when no swept key is numeric;
+- report_eplb_<job>.png: balancedness over time per policy, for `eplb_replay` jobs.
+Plots need matplotlib (Agg backend, no display); without it the report says so and writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Key metrics per task, in column order; a column appears when some job has it.
+GENERATE_METRICS = (
+    "output_throughput_tok_s", "ttft_ms_p50", "tpot_ms_mean", "decode_step_ms_median", "kv_bytes_per_token",
+    "kv_bytes_used_max", "state_bytes_per_request", "num_preemptions", "mean_acceptance_length",
+    "draft_acceptance_rate", "speedup", "tpot_ratio", "kv_bytes_per_token_ratio", "outputs_match_baseline",
+    "offered_request_rate",
+)
+# Plotted against numeric swept keys (when present).
+PLOT_METRICS = ("output_throughput_tok_s", "tpot_ms_mean", "mean_acceptance_length", "speedup")
+EPLB_COLUMNS = ("balancedness_total", "balancedness_mean", "balancedness_min", "num_rebalances",
+                "rebalance_ms_median", "moved_slots_total")
+_IGNORED_OVERRIDES = {"hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "logger", "sweep_name"}
+
+
+class Job:
+    def __init__(self, path: Path):
+        self.path = path
+        self.results: dict[str, Any] = json.loads((path / "results.json").read_text())
+        self.summary: dict[str, Any] = self.results.get("summary") or {}
+        self.config: dict[str, Any] = self.results.get("config") or {}
+        self.task: str = self.config.get("task", "generate")
+        self.overrides = _overrides(path, self.results)
+        self.label = ""
+
+    def value(self, key: str) -> Any:
+        if key in self.overrides:
+            return self.overrides[key]
+        node: Any = self.config
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+
+def _overrides(path: Path, results: dict[str, Any]) -> dict[str, Any]:
+    file = path / ".hydra" / "overrides.yaml"
+    items = yaml.safe_load(file.read_text()) if file.is_file() else (
+        (results.get("reproducibility") or {}).get("overrides"))
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = str(item).lstrip("+~").partition("=")
+        if not sep or key in _IGNORED_OVERRIDES or key.startswith("hydra"):
+            continue
+        try:
+            out[key] = yaml.safe_load(value) if value else value
+        except yaml.YAMLError:
+            out[key] = value
+    return out
+
+
+def collect(root: Path) -> list[Job]:
+    """The jobs at or below root, in natural order of their paths (0, 1, ..., 10)."""
+    root = Path(root)
+    if (root / "results.json").is_file():
+        return [Job(root)]
+    jobs: list[Job] = []
+    for sub in sorted((p for p in root.iterdir() if p.is_dir()), key=_natural):
+        jobs += collect(sub) if not sub.name.startswith(".") else []
+    return jobs
+
+
+def _natural(p: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def swept_keys(jobs: list[Job]) -> list[str]:
+    """Override keys whose values differ between jobs (in first-seen order); with one job, its overrides."""
+    keys: list[str] = []
+    for job in jobs:
+        keys += [k for k in job.overrides if k not in keys]
+    if len(jobs) == 1:
+        return keys
+    return [k for k in keys if len({json.dumps(j.value(k), sort_keys=True, default=str) for j in jobs}) > 1]
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+def metric_columns(jobs: list[Job]) -> list[str]:
+    tasks = {j.task for j in jobs}
+    if tasks <= {"generate"}:  # the key metrics some job has with a value other than 0
+        cols = [m for m in GENERATE_METRICS if any(j.summary.get(m) not in (None, 0) for j in jobs)]
+        positions = sorted({k for j in jobs for k in j.summary if k.startswith("acceptance_rate_pos")},
+                           key=lambda k: int(k.removeprefix("acceptance_rate_pos")))
+        return cols + positions
+    cols: list[str] = []  # other tasks: their numeric summary keys
+    for j in jobs:
+        cols += [k for k, v in j.summary.items() if isinstance(v, int | float) and not isinstance(v, bool)
+                 and k not in cols]
+    return cols[:12]
+
+
+def build_report(root: Path, plots: bool = True) -> Path:
+    """Write report.md (and the plots) into root; return report.md's path."""
+    root = Path(root)
+    jobs = collect(root)
+    if not jobs:
+        raise ValueError(f"no results.json under {root}")
+    keys = swept_keys(jobs)
+    for i, job in enumerate(jobs):
+        job.label = ", ".join(f"{k}={fmt(job.value(k))}" for k in keys) or job.path.name or f"job {i}"
+    env = jobs[0].results.get("env") or {}
+    git = env.get("git") or {}
+    lines = [f"# Report: {root}", ""]
+    lines.append(f"{len(jobs)} job(s); task(s): {', '.join(sorted({j.task for j in jobs}))}; "
+                 f"{'swept' if len(jobs) > 1 else 'overrides'}: {', '.join(f'`{k}`' for k in keys) or 'none'}.")
+    if env:
+        lines.append(f"Device: {env.get('device_name') or env.get('device')} ({env.get('device')}); "
+                     f"torch {(env.get('packages') or {}).get('torch')}; commit {git.get('commit')}"
+                     f"{' (dirty)' if git.get('dirty') else ''}; {env.get('date')}.")
+        lines.append(f"Command: `{env.get('command')}`.")
+    lines.append("")
+    plain = [j for j in jobs if j.task != "eplb_replay"]
+    if plain:
+        cols = metric_columns(plain)
+        rows = []
+        for j in plain:
+            rows.append([j.path.name, *[j.value(k) for k in keys], *[j.summary.get(c) for c in cols]])
+            base = j.results.get("baseline")
+            if base:  # the same workload on the baseline config, measured in the same process
+                what = ", ".join(f"{k}={fmt(v)}" for k, v in (base.get("overrides") or {}).items())
+                rows.append([f"{j.path.name} baseline ({what})", *["" for _ in keys],
+                             *[base["summary"].get(c) if c in base["summary"] else None for c in cols]])
+        lines += _table(["job", *[f"`{k}`" for k in keys], *cols], rows)
+        lines.append("")
+    for job in (j for j in jobs if j.task == "eplb_replay"):
+        lines.append(f"## EPLB replay: {job.label}" if len(jobs) > 1 else "## EPLB replay")
+        lines.append("")
+        cols = [c for c in EPLB_COLUMNS if any(c in r for r in job.results.get("rows", []))]
+        rows = [[r.get("trace"), r.get("policy"), *[r.get(c) for c in cols]] for r in job.results.get("rows", [])]
+        lines += _table(["trace", "policy", *cols], rows)
+        lines.append("")
+    written: list[Path] = []
+    if plots:
+        try:
+            written = make_plots(root, jobs, keys)
+        except ImportError:
+            lines.append("(matplotlib is not installed: no plots; `pip install matplotlib`)")
+    if written:
+        lines.append("Plots:")
+        lines.append("")
+        lines += [f"![{p.stem}]({p.name})" for p in written]
+        lines.append("")
+    if plain and plain[0].task == "generate":
+        lines.append("Columns: throughput in tokens/s; ttft/tpot/decode_step in ms; kv_bytes_per_token = KV cache "
+                     "bytes per token of context (all layers); kv_bytes_used_max = KV bytes in use at the busiest "
+                     "step; "
+                     "mean_acceptance_length = tokens per target forward (tau); speedup and *_ratio = this run / "
+                     "its baseline in the same process; outputs_match_baseline = fraction of requests with identical "
+                     "tokens.")
+    out = root / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def make_plots(root: Path, jobs: list[Job], keys: list[str]) -> list[Path]:
+    written: list[Path] = []
+    for job in jobs:
+        if job.task == "eplb_replay" and job.results.get("curves"):
+            name = "report_eplb.png" if len(jobs) == 1 else f"report_eplb_{_slug(job.path.name)}.png"
+            plot_balancedness(job.results["curves"], root / name, subtitle=job.label)
+            written.append(root / name)
+    plain = [j for j in jobs if j.task != "eplb_replay"]
+    if not plain:
+        return written
+    metrics = [m for m in PLOT_METRICS if any(_is_number(j.summary.get(m)) for j in plain)]
+    if plain[0].task != "generate":
+        metrics = metric_columns(plain)[:2]
+    numeric = [k for k in keys if all(_is_number(j.value(k)) for j in plain) and len({j.value(k) for j in plain}) > 1]
+    plt = _plt()
+    for x in numeric:
+        others = [k for k in keys if k != x]
+        for metric in metrics:
+            series: dict[str, list[tuple[float, float]]] = {}
+            for j in plain:
+                if _is_number(j.summary.get(metric)):
+                    label = ", ".join(f"{k}={fmt(j.value(k))}" for k in others) or metric
+                    series.setdefault(label, []).append((j.value(x), j.summary[metric]))
+            if not series:
+                continue
+            fig, ax = plt.subplots(figsize=(6.4, 4))
+            for label, pts in series.items():
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            if all(isinstance(j.value(x), int) for j in plain):
+                from matplotlib.ticker import MaxNLocator
+
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel(x)
+            ax.set_ylabel(metric)
+            ax.set_title(f"{metric} vs {x}", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = root / f"report_{_slug(metric)}_vs_{_slug(x)}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    if not numeric:
+        for metric in metrics:
+            vals = [(j.label, j.summary.get(metric)) for j in plain if _is_number(j.summary.get(metric))]
+            base = [(f"{j.label} (baseline)", (j.results.get("baseline") or {}).get("summary", {}).get(metric))
+                    for j in plain]
+            vals += [(label, v) for label, v in base if _is_number(v)]
+            if not vals:
+                continue
+            fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(vals) + 2), 4))
+            ax.bar(range(len(vals)), [v for _, v in vals])
+            ax.set_xticks(range(len(vals)), [label for label, _ in vals], rotation=20, ha="right", fontsize=7)
+            ax.set_ylabel(metric)
+            ax.set_title(metric, fontsize=10)
+            fig.tight_layout()
+            path = root / f"report_{_slug(metric)}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def plot_balancedness(curves: dict[str, dict[str, list[float]]], path: Path, subtitle: str = "") -> Path | None:
+    """Balancedness (mean / max EP-rank load, Σ over layers) per step, one line per policy, one panel per
+    trace. Returns the path, or None without matplotlib."""
+    try:
+        plt = _plt()
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(len(curves), 1, figsize=(8, 3.2 * len(curves)), squeeze=False)
+    for ax, (trace, per_policy) in zip(axes[:, 0], curves.items()):
+        for policy, values in per_policy.items():
+            ax.plot(values, label=policy, linewidth=1)
+        ax.set_title(f"{trace}" + (f" — {subtitle}" if subtitle else ""), fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("balancedness")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(ncol=3, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m research_lm.report", description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, help="a run directory or a multirun (sweep) directory")
+    ap.add_argument("--no-plots", action="store_true", help="write only report.md")
+    args = ap.parse_args(argv)
+    try:
+        out = build_report(args.dir, plots=not args.no_plots)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"research_lm.report: error: {e}", file=sys.stderr)
+        return 2
+    print(out.read_text())
+    print(f"report: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
