@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from research_lm.models.base import ModelBuildContext, build_scope, is_rotary_buffer, load_params
+from research_lm.models.base import ModelBuildContext, is_rotary_buffer, load_params
+from research_lm.models.causal_lm import CausalLMShell
 from research_lm.models.layers import (
     GatedMLP,
-    ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
-    compute_logits,
     rope_parameters,
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaVariant, head_size
@@ -106,25 +105,9 @@ class BambaModel(nn.Module):
 
 
 @register_model("BambaForCausalLM")
-class BambaForCausalLM(nn.Module):
-    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
-        super().__init__()
-        self.config = hf_config
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        with build_scope(build):
-            self.model = BambaModel(hf_config, build)
-            if self.tie_word_embeddings:
-                self.lm_head = self.model.embed_tokens
-            else:
-                self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
-
-    @property
-    def embed_tokens(self) -> VocabParallelEmbedding:
-        return self.model.embed_tokens
-
-    def get_input_embeddings(self) -> VocabParallelEmbedding:
-        return self.model.embed_tokens
+class BambaForCausalLM(CausalLMShell):
+    def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
+        return BambaModel(hf_config, build)
 
     def forward(
         self,
@@ -136,9 +119,6 @@ class BambaForCausalLM(nn.Module):
         if self.aux_hidden_state_layers:
             raise ValueError("BambaForCausalLM does not expose aux hidden states (EAGLE-3 taps)")
         return self.model(input_ids, positions, attn_metadata, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        return compute_logits(self.lm_head, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def skip(name: str) -> bool:

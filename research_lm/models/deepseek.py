@@ -48,7 +48,6 @@ from attention_zoo.mla import MLAAttention, MLASpec
 from research_lm.models.base import (
     ModelBuildContext,
     StackedParams,
-    build_scope,
     default_weight_loader,
     is_rotary_buffer,
     set_weight_loader,
@@ -58,7 +57,6 @@ from research_lm.models.layers import (
     GatedMLP,
     Linear,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -270,17 +268,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def rope_interleave(cls, hf_config: PretrainedConfig) -> bool:
         return True  # V2 rotates interleaved pairs (as complex numbers)
 
-    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
-        nn.Module.__init__(self)
-        self.config = hf_config
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        with build_scope(build):
-            self.model = DeepseekModel(hf_config, self.rope_interleave(hf_config), build)
-            if self.tie_word_embeddings:
-                self.lm_head = self.model.embed_tokens
-            else:
-                self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+    def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
+        return DeepseekModel(hf_config, self.rope_interleave(hf_config), build)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         stacked = MLP_STACKED + (Q_LORA_STACKED if getattr(self.config, "q_lora_rank", None) else ())

@@ -17,17 +17,16 @@ import torch
 from torch import nn
 
 from attention_zoo import Attention, AttentionSpec
-from research_lm.models.base import ModelBuildContext, StackedParams, build_scope, is_rotary_buffer, load_params
+from research_lm.models.base import ModelBuildContext, StackedParams, is_rotary_buffer, load_params
+from research_lm.models.causal_lm import CausalLMShell
 from research_lm.models.layers import (
     GatedMLP,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_rotary,
-    compute_logits,
     rope_parameters,
 )
 from research_lm.models.registry import register_model
@@ -181,7 +180,7 @@ class LlamaModel(nn.Module):
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMShell):
     @classmethod
     def variant(cls, hf_config: PretrainedConfig) -> LlamaVariant:
         attention_bias = getattr(hf_config, "attention_bias", False)
@@ -189,24 +188,8 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=getattr(hf_config, "mlp_bias", False)
         )
 
-    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
-        super().__init__()
-        self.config = hf_config
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        with build_scope(build):
-            self.model = LlamaModel(hf_config, self.variant(hf_config), build)
-            if self.tie_word_embeddings:
-                self.lm_head = self.model.embed_tokens
-            else:
-                self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
-
-    @property
-    def embed_tokens(self) -> VocabParallelEmbedding:
-        return self.model.embed_tokens
-
-    def get_input_embeddings(self) -> VocabParallelEmbedding:
-        return self.model.embed_tokens
+    def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
+        return LlamaModel(hf_config, self.variant(hf_config), build)
 
     def forward(
         self,
@@ -216,9 +199,6 @@ class LlamaForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:  # [num_tokens, hidden_size] (, aux)
         return self.model(input_ids, positions, attn_metadata, self.aux_hidden_state_layers, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        return compute_logits(self.lm_head, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def skip(name: str) -> bool:

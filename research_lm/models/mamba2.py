@@ -20,18 +20,16 @@ from torch import nn
 from attention_zoo.mamba import MambaMixer, MambaSpec, MambaWeights
 from research_lm.models.base import (
     ModelBuildContext,
-    build_scope,
     default_weight_loader,
     load_params,
     set_weight_loader,
 )
+from research_lm.models.causal_lm import CausalLMShell
 from research_lm.models.layers import (
     ColumnParallelLinear,
-    ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    compute_logits,
 )
 from research_lm.models.registry import register_model
 
@@ -200,27 +198,14 @@ class Mamba2Model(nn.Module):
 
 
 @register_model("Mamba2ForCausalLM")
-class Mamba2ForCausalLM(nn.Module):
+class Mamba2ForCausalLM(CausalLMShell):
     """Attention-free: positions are ignored, every layer is a Mamba2 mixer over per-request state."""
 
-    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
-        super().__init__()
-        self.config = hf_config
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        with build_scope(build):
-            self.backbone = Mamba2Model(hf_config, build)
-            if self.tie_word_embeddings:
-                self.lm_head = self.backbone.embeddings
-            else:
-                self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+    backbone_attr = "backbone"
+    embeddings_attr = "embeddings"
 
-    @property
-    def embed_tokens(self) -> VocabParallelEmbedding:
-        return self.backbone.embeddings
-
-    def get_input_embeddings(self) -> VocabParallelEmbedding:
-        return self.backbone.embeddings
+    def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
+        return Mamba2Model(hf_config, build)
 
     def forward(
         self,
@@ -232,9 +217,6 @@ class Mamba2ForCausalLM(nn.Module):
         if self.aux_hidden_state_layers:
             raise ValueError("Mamba2ForCausalLM does not expose aux hidden states (EAGLE-3 taps)")
         return self.backbone(input_ids, attn_metadata, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        return compute_logits(self.lm_head, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:

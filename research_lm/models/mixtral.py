@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from research_lm.models.base import ModelBuildContext, build_scope, is_rotary_buffer
-from research_lm.models.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters
+from research_lm.models.base import ModelBuildContext, is_rotary_buffer
+from research_lm.models.layers import RMSNorm, RotaryEmbedding, VocabParallelEmbedding, rope_parameters
 from research_lm.models.llama import (
     STACKED_PARAMS,
     LlamaAttention,
@@ -80,20 +80,9 @@ class MoeCausalLM(LlamaForCausalLM):
     expert_projs: dict[str, str] = HF_EXPERT_PROJS  # checkpoint projection name -> gate / up / down
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (checkpoint name part, ours)
 
-    def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
-        nn.Module.__init__(self)  # NOTE: the same attributes as LlamaForCausalLM, with MoeLlamaModel
-        self.config = hf_config
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
         options = MoeOptions.from_extra(build.extra, build.device)
-        with build_scope(build):
-            self.model = MoeLlamaModel(
-                hf_config, self.variant(hf_config), build, lambda i: self.make_mlp(hf_config, i, options)
-            )
-            if self.tie_word_embeddings:
-                self.lm_head = self.model.embed_tokens
-            else:
-                self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        return MoeLlamaModel(hf_config, self.variant(hf_config), build, lambda i: self.make_mlp(hf_config, i, options))
 
     def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int, options: MoeOptions) -> nn.Module:
         raise NotImplementedError
