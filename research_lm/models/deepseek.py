@@ -65,7 +65,7 @@ from research_lm.models.layers import (
     apply_rotary,
     rope_parameters,
 )
-from research_lm.models.llama import LlamaForCausalLM, LlamaModel
+from research_lm.models.llama import LlamaForCausalLM, LlamaModel, PreNormDecoderLayer
 from research_lm.models.registry import register_model
 from research_lm.moe.config import MoeOptions
 from research_lm.moe.layer import MoeBlock
@@ -220,29 +220,10 @@ class DeepseekAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, hf_config: PretrainedConfig, layer_idx: int, rope_interleave: bool, build: ModelBuildContext):
-        super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = DeepseekAttention(hf_config, rope_interleave, build)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = make_mlp(hf_config, layer_idx, build)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's output
-        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None at layer 0
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attn_metadata: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, residual); the stream is their sum
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        attn = DeepseekAttention(hf_config, rope_interleave, build)
+        super().__init__(hf_config.hidden_size, hf_config.rms_norm_eps, attn, make_mlp(hf_config, layer_idx, build))
 
 
 class DeepseekModel(LlamaModel):

@@ -111,20 +111,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, hf_config: PretrainedConfig, variant: LlamaVariant, sliding_window: int | None,
-        build: ModelBuildContext,
-    ):
+class PreNormDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)), with the residual add fused into the norms.
+
+    The attention and the MLP are given, so Llama, MoE and DeepSeek layers share this one forward."""
+
+    def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = LlamaAttention(hf_config, variant, sliding_window, build)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = GatedMLP(
-            hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "hidden_act", "silu"),
-            variant.mlp_bias,
-        )
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -140,6 +137,19 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, rope, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    def __init__(
+        self, hf_config: PretrainedConfig, variant: LlamaVariant, sliding_window: int | None,
+        build: ModelBuildContext,
+    ):
+        attn = LlamaAttention(hf_config, variant, sliding_window, build)
+        mlp = GatedMLP(
+            hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "hidden_act", "silu"),
+            variant.mlp_bias,
+        )
+        super().__init__(hf_config.hidden_size, hf_config.rms_norm_eps, attn, mlp)
 
 
 class LlamaModel(nn.Module):

@@ -21,10 +21,10 @@ from research_lm.models.layers import RMSNorm, RotaryEmbedding, VocabParallelEmb
 from research_lm.models.llama import (
     STACKED_PARAMS,
     LlamaAttention,
-    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
     LlamaVariant,
+    PreNormDecoderLayer,
     head_size,
     layer_sliding_windows,
 )
@@ -38,20 +38,15 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-class MoeDecoderLayer(LlamaDecoderLayer):
-    """LlamaDecoderLayer (its forward) with the MLP given: a `MoeBlock` or a dense `GatedMLP`."""
+class MoeDecoderLayer(PreNormDecoderLayer):
+    """Llama attention with the MLP given: a `MoeBlock` or a dense `GatedMLP`."""
 
     def __init__(
         self, hf_config: PretrainedConfig, variant: LlamaVariant, sliding_window: int | None,
         build: ModelBuildContext, mlp: nn.Module,
     ):
-        # NOTE: skips LlamaDecoderLayer.__init__, which would allocate a dense MLP of intermediate_size.
-        nn.Module.__init__(self)
-        eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = LlamaAttention(hf_config, variant, sliding_window, build)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = mlp
+        attn = LlamaAttention(hf_config, variant, sliding_window, build)
+        super().__init__(hf_config.hidden_size, hf_config.rms_norm_eps, attn, mlp)
 
 
 class MoeLlamaModel(LlamaModel):
