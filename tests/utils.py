@@ -7,8 +7,10 @@
     nxt = batch.step([[7], [8]])
 
 Sequence i owns a contiguous run of blocks (block 0 is the reserved null block), sized for its
-capacity in tokens. Each step appends a chunk of tokens per sequence (empty is allowed) at the
-positions after those already in the cache.
+capacity in tokens, and a state slot (`slots`, default i; Mamba layers keep their state there, so
+tests can reuse and poison slots). Every `CacheLayer` gets its cache from its backend's
+`allocate_cache`. Each step appends a chunk of tokens per sequence (empty is allowed) at the
+positions after those already in the cache; `restart(i)` starts sequence i over in the same slot.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention_zoo import Attention, CommonAttentionMetadata
+from attention_zoo import CacheLayer, CommonAttentionMetadata
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -26,11 +28,15 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class PagedBatch:
-    def __init__(self, model: nn.Module, capacities: list[int], block_size: int):
+    def __init__(
+        self, model: nn.Module, capacities: list[int], block_size: int, slots: list[int] | None = None,
+        num_slots: int | None = None,
+    ):
         self.model = model
         self.block_size = block_size
         self.capacities = list(capacities)
-        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.slots = list(slots) if slots is not None else list(range(len(capacities)))
+        self.layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         blocks = [_cdiv(c, block_size) for c in capacities]
@@ -40,12 +46,16 @@ class PagedBatch:
             table[i, :n] = torch.arange(start, start + n, dtype=torch.int32)
             start += n
         self.block_table = table.to(self.device)  # [num_seqs, max_blocks]
+        num_slots = num_slots or max(self.slots) + 1
         self.kv_caches = [
-            torch.zeros(layer.backend.kv_cache_shape(start, block_size, layer.spec), dtype=self.dtype,
-                        device=self.device)
+            layer.backend.allocate_cache(layer.spec, num_blocks=start, block_size=block_size, num_slots=num_slots,
+                                         dtype=self.dtype, device=self.device)
             for layer in self.layers
         ]
         self.num_computed = [0] * len(capacities)
+
+    def restart(self, seq: int) -> None:
+        self.num_computed[seq] = 0
 
     def _slots(self, seq: int, positions: list[int]) -> list[int]:
         table = self.block_table[seq].tolist()
@@ -75,11 +85,12 @@ class PagedBatch:
             num_computed_tokens_cpu=torch.tensor(self.num_computed, dtype=torch.int32),
             block_table=self.block_table,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            request_rows=torch.arange(len(chunks), dtype=torch.int32, device=self.device),
+            request_rows=torch.tensor(self.slots, dtype=torch.int32, device=self.device),
             num_reqs=len(chunks), num_tokens=len(ids), max_query_len=max(query_lens),
             max_seq_len=max(seq_lens), block_size=self.block_size,
         )
-        attn_metadata = {layer.backend.name: layer.backend.build_metadata(common) for layer in self.layers}
+        backends = {layer.backend.name: layer.backend for layer in self.layers}
+        attn_metadata = {name: backend.build_metadata(common) for name, backend in backends.items()}
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, torch.tensor(positions, dtype=torch.int64, device=self.device), attn_metadata
 

@@ -68,7 +68,7 @@ def test_groups_limits_and_no_conv_bias():
 def test_model_logits_match_the_reference_backend(tiny_checkpoint):
     """Tiny Mamba2 end to end on the Triton mixers: two mixed steps (new and continuing requests)."""
     from research_lm.models import load_model
-    from tests.models.stateful import StateBatch
+    from tests.utils import PagedBatch
 
     path = tiny_checkpoint("mamba2")
     outs = {}
@@ -76,7 +76,7 @@ def test_model_logits_match_the_reference_backend(tiny_checkpoint):
         model, _ = load_model(path, device=DEVICE, dtype=torch.float32, attention_backend="torch_ref",
                               extra={"mamba_backend": backend})
         assert get_backend(backend).name == backend
-        batch = StateBatch(model, [10, 6], block_size=4, slots=[1, 0])
+        batch = PagedBatch(model, [10, 6], block_size=4, slots=[1, 0])
         logits = batch.step([list(range(3, 12)), [40]])  # a prefill and a 1-token prompt, both new
         logits += batch.step([[12], [41, 42, 43, 44, 45]])  # a decode and a prefill chunk, both continuing
         outs[backend] = torch.cat(logits)

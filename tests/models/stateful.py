@@ -1,15 +1,5 @@
-"""Helpers for models with per-request state (Mamba): drive them without the runner, and check the
-whole engine's greedy output against transformers.
-
-`StateBatch` is like `tests.utils.PagedBatch`, but every `CacheLayer` gets its cache from its backend's
-`allocate_cache` (paged KV for attention, state slots for Mamba), and sequence i may live in any
-state slot (`slots`), so tests can reuse and poison slots.
-
-    batch = StateBatch(model, capacities=[32, 32], block_size=4, slots=[3, 0])
-    first = batch.step([[1, 2, 3], [4, 5]])       # per sequence [len(chunk), vocab] fp32
-    nxt = batch.step([[7], [8]])
-    batch.restart(0)                               # sequence 0 starts over (num_computed = 0), same slot
-"""
+"""Helpers for models with per-request state (Mamba): check the whole engine's greedy output against
+transformers. (`tests.utils.PagedBatch` drives them without the runner, in chosen state slots.)"""
 
 from __future__ import annotations
 
@@ -20,78 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm import LLM, SamplingParams
-
-
-class StateBatch:
-    def __init__(
-        self, model: nn.Module, capacities: list[int], block_size: int, slots: list[int] | None = None,
-        num_slots: int | None = None,
-    ):
-        self.model = model
-        self.block_size = block_size
-        self.capacities = list(capacities)
-        self.slots = list(slots) if slots is not None else list(range(len(capacities)))
-        self.layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        blocks = [-(-c // block_size) for c in capacities]
-        table = torch.zeros(len(capacities), max(blocks), dtype=torch.int32)
-        start = 1
-        for i, n in enumerate(blocks):
-            table[i, :n] = torch.arange(start, start + n, dtype=torch.int32)
-            start += n
-        self.block_table = table.to(self.device)
-        num_slots = num_slots or max(self.slots) + 1
-        self.caches = [
-            layer.backend.allocate_cache(layer.spec, num_blocks=start, block_size=block_size, num_slots=num_slots,
-                                         dtype=self.dtype, device=self.device)
-            for layer in self.layers
-        ]
-        self.num_computed = [0] * len(capacities)
-
-    def restart(self, seq: int) -> None:
-        self.num_computed[seq] = 0
-
-    def prepare(self, chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
-        for i, chunk in enumerate(chunks):
-            start = self.num_computed[i]
-            assert start + len(chunk) <= self.capacities[i], f"sequence {i} exceeds its capacity"
-            pos = list(range(start, start + len(chunk)))
-            table = self.block_table[i].tolist()
-            ids += chunk
-            positions += pos
-            slots += [table[p // self.block_size] * self.block_size + p % self.block_size for p in pos]
-            query_lens.append(len(chunk))
-            seq_lens.append(start + len(chunk))
-        qsl = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            query_start_loc=qsl.to(self.device), query_start_loc_cpu=qsl,
-            seq_lens=seq_lens_cpu.to(self.device), seq_lens_cpu=seq_lens_cpu,
-            num_computed_tokens_cpu=torch.tensor(self.num_computed, dtype=torch.int32),
-            block_table=self.block_table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            request_rows=torch.tensor(self.slots, dtype=torch.int32, device=self.device),
-            num_reqs=len(chunks), num_tokens=len(ids), max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens), block_size=self.block_size,
-        )
-        backends = {layer.backend.name: layer.backend for layer in self.layers}
-        attn_metadata = {name: backend.build_metadata(common) for name, backend in backends.items()}
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, torch.tensor(positions, dtype=torch.int64, device=self.device), attn_metadata
-
-    @torch.no_grad()
-    def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:  # per sequence [len(chunk_i), vocab] fp32
-        for layer, cache in zip(self.layers, self.caches):
-            layer.kv_cache = cache
-        hidden = self.model(*self.prepare(chunks))
-        for i, chunk in enumerate(chunks):
-            self.num_computed[i] += len(chunk)
-        return list(self.model.compute_logits(hidden).split([len(c) for c in chunks]))
 
 
 def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:

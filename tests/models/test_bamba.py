@@ -13,7 +13,8 @@ from attention_zoo import Attention
 from attention_zoo.mamba import MambaMixer
 from research_lm.models import load_model
 from research_lm.runner import ModelRunner
-from tests.models.stateful import StateBatch, engine_greedy_matches_transformers
+from tests.models.stateful import engine_greedy_matches_transformers
+from tests.utils import PagedBatch
 
 ATOL = 1e-4
 NAME = "bamba"
@@ -37,7 +38,7 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:  # [len, vocab]
 def test_batched_prefill_matches_transformers(tiny_checkpoint, hf_model):
     model = _load(tiny_checkpoint)
     seqs = [_tokens(n, seed) for seed, n in enumerate([19, 5, 33, 1])]
-    ours = StateBatch(model, [len(s) for s in seqs], block_size=4, slots=[3, 0, 6, 1]).step(seqs)
+    ours = PagedBatch(model, [len(s) for s in seqs], block_size=4, slots=[3, 0, 6, 1]).step(seqs)
     for tokens, logits in zip(seqs, ours):
         torch.testing.assert_close(logits, _hf_logits(hf_model(NAME), tokens), atol=ATOL, rtol=0)
 
@@ -47,7 +48,7 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_checkpoint, hf_model
     model = _load(tiny_checkpoint)
     seqs = [_tokens(23, 10), _tokens(12, 11)]
     schedule = [(7, 3), (9, 4), (1, 1), (1, 0), (1, 1), (1, 1), (3, 2)]
-    batch = StateBatch(model, [len(s) for s in seqs], block_size=4, slots=[2, 0])
+    batch = PagedBatch(model, [len(s) for s in seqs], block_size=4, slots=[2, 0])
     done = [0, 0]
     got: list[list[torch.Tensor]] = [[], []]
     for step in schedule:

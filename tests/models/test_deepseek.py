@@ -38,16 +38,6 @@ def _load(tiny_checkpoint, name: str, backend: str = "mla_torch_ref"):
     return model
 
 
-def _paged(model, capacities: list[int], block_size: int = 4) -> PagedBatch:
-    """tests.utils.PagedBatch, with caches for every CacheLayer (it looks for `Attention` layers only)."""
-    batch = PagedBatch(model, capacities, block_size)
-    batch.layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
-    num_blocks = int(batch.block_table.max()) + 1
-    batch.kv_caches = [torch.zeros(layer.backend.kv_cache_shape(num_blocks, block_size, layer.spec))
-                       for layer in batch.layers]  # fmt: skip
-    return batch
-
-
 @torch.no_grad()
 def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:  # [len, vocab]
     return hf(torch.tensor([tokens])).logits[0].float()
@@ -58,7 +48,7 @@ def test_batched_prefill_matches_transformers(name, tiny_checkpoint, hf_model):
     """q_lora on/off, biases, YaRN with mscale (V3), interleaved and half-split RoPE, v_head_dim != nope."""
     model = _load(tiny_checkpoint, name)
     seqs = [_tokens(n, seed) for seed, n in enumerate([19, 5, 1])]
-    for tokens, logits in zip(seqs, _paged(model, [len(s) for s in seqs]).step(seqs)):
+    for tokens, logits in zip(seqs, PagedBatch(model, [len(s) for s in seqs], block_size=4).step(seqs)):
         torch.testing.assert_close(logits, _hf_logits(hf_model(name), tokens), atol=ATOL, rtol=0)
 
 
@@ -70,7 +60,7 @@ def test_chunked_prefill_and_decode_match_transformers(name, backend, tiny_check
     model = _load(tiny_checkpoint, name, backend)
     seqs = [_tokens(17, 10), _tokens(9, 11)]
     schedule = [(6, 3), (5, 4), (1, 1), (1, 0), (3, 1), (1, 0)]  # tokens per sequence per step
-    batch = _paged(model, [len(s) for s in seqs])
+    batch = PagedBatch(model, [len(s) for s in seqs], block_size=4)
     done, got = [0, 0], [[], []]
     for step in schedule:
         chunks = [seq[d:d + n] for seq, d, n in zip(seqs, done, step)]

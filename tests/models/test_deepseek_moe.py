@@ -20,7 +20,8 @@ from research_lm import LLM, SamplingParams
 from research_lm.models import build_model, load_config, load_model
 from research_lm.models.layers import GatedMLP
 from research_lm.moe import FusedMoE, MoeBlock
-from tests.models.test_deepseek import _hf_greedy, _hf_logits, _paged, _tokens
+from tests.models.test_deepseek import _hf_greedy, _hf_logits, _tokens
+from tests.utils import PagedBatch
 
 ATOL = 1e-4
 MODELS = ["deepseek-v2-moe", "deepseek-v3-moe"]
@@ -76,7 +77,7 @@ def _load(path, **extra):
 
 
 def _max_diff(model, hf, seqs) -> float:
-    got = _paged(model, [len(s) for s in seqs]).step(seqs)
+    got = PagedBatch(model, [len(s) for s in seqs], block_size=4).step(seqs)
     return max(float((logits - _hf_logits(hf, tokens)).abs().max()) for tokens, logits in zip(seqs, got))
 
 

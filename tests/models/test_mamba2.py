@@ -16,7 +16,8 @@ import torch
 from attention_zoo.mamba import MambaMixer
 from research_lm import LLM, SamplingParams
 from research_lm.models import load_model
-from tests.models.stateful import StateBatch, engine_greedy_matches_transformers, hf_greedy, shared_prefix_prompts
+from tests.models.stateful import engine_greedy_matches_transformers, hf_greedy, shared_prefix_prompts
+from tests.utils import PagedBatch
 
 ATOL = 1e-4
 NAME = "mamba2"
@@ -41,7 +42,7 @@ def test_batched_prefill_matches_transformers(tiny_checkpoint, hf_model):
     """One forward over sequences of 1 to 33 tokens (up to 5 SSD chunks), in scattered state slots."""
     model = _load(tiny_checkpoint)
     seqs = [_tokens(n, seed) for seed, n in enumerate([19, 5, 33, 1])]
-    ours = StateBatch(model, [len(s) for s in seqs], block_size=4, slots=[5, 2, 0, 7]).step(seqs)
+    ours = PagedBatch(model, [len(s) for s in seqs], block_size=4, slots=[5, 2, 0, 7]).step(seqs)
     for tokens, logits in zip(seqs, ours):
         torch.testing.assert_close(logits, _hf_logits(hf_model(NAME), tokens), atol=ATOL, rtol=0)
 
@@ -52,7 +53,7 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_checkpoint, hf_model
     model = _load(tiny_checkpoint)
     seqs = [_tokens(26, 10), _tokens(12, 11), _tokens(10, 12)]
     schedule = [(7, 3, 1), (9, 4, 0), (1, 1, 5), (1, 0, 1), (1, 1, 1), (1, 1, 1), (6, 2, 1)]
-    batch = StateBatch(model, [len(s) for s in seqs], block_size=4, slots=[1, 3, 0])
+    batch = PagedBatch(model, [len(s) for s in seqs], block_size=4, slots=[1, 3, 0])
     done = [0] * len(seqs)
     got: list[list[torch.Tensor]] = [[] for _ in seqs]
     for step in schedule:
@@ -70,8 +71,8 @@ def test_new_request_ignores_what_its_slot_holds(tiny_checkpoint, hf_model):
     mid-sequence (preemption / reuse), need no reset."""
     model = _load(tiny_checkpoint)
     a, b = _tokens(11, 20), _tokens(14, 21)
-    batch = StateBatch(model, [max(len(a), len(b))], block_size=4, slots=[2], num_slots=4)
-    for conv_state, ssm_state in batch.caches:
+    batch = PagedBatch(model, [max(len(a), len(b))], block_size=4, slots=[2], num_slots=4)
+    for conv_state, ssm_state in batch.kv_caches:
         conv_state.fill_(1e4)
         ssm_state.fill_(float("nan"))
     first = batch.step([a[:6]])[0]
@@ -107,7 +108,7 @@ def test_random_init_for_speed_runs(tiny_checkpoint):
     assert torch.equal(mixer.A_log, torch.log(torch.arange(1, 9, dtype=torch.float32)))
     dt = torch.nn.functional.softplus(mixer.dt_bias)
     assert bool(((dt > 0.9e-3) & (dt < 0.11)).all())
-    logits = StateBatch(model, [20], block_size=4).step([_tokens(20, 3)])[0]
+    logits = PagedBatch(model, [20], block_size=4).step([_tokens(20, 3)])[0]
     assert bool(torch.isfinite(logits).all())
 
 
