@@ -7,6 +7,7 @@ imports Triton) at tiny fp32 shapes; `@pytest.mark.gpu` tests run bigger shapes 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,12 +84,41 @@ def test_model_logits_match_the_reference_backend(tiny_checkpoint):
     torch.testing.assert_close(outs["mamba_triton"], outs["mamba_torch_ref"], atol=1e-4, rtol=0)
 
 
+def _as_fp32(case):
+    """The same case with every tensor upcast to fp32: the oracle for a low-precision run (exact inputs)."""
+    return replace(
+        case, xbc=case.xbc.float(), dt=case.dt.float(), cache=tuple(c.float() for c in case.cache),
+        weights=case.weights._replace(**{k: None if v is None else v.float()
+                                         for k, v in case.weights._asdict().items()}),
+    )
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_real_shapes_on_gpu(dtype):
-    """Mamba2-2.7B-like head shapes (head_dim 64, state 128, 8 groups), long and short requests."""
+    """Mamba2-2.7B-like head shapes (head_dim 64, state 128, 8 groups), long and short requests.
+
+    bf16: both backends round the conv output to bf16 and sum 700-token scans in different orders, so
+    elementwise closeness between them is the wrong test. Each is compared with the fp32 reference on
+    the same (upcast) inputs; Triton must be as close to it as the bf16 reference is (METHOD: bf16
+    operands land between 1e-3 and 1e-2 relative)."""
     case = make_mamba_case(
         [700, 1, 1, 129, 1], [False, True, True, True, False], [5, 0, 9, 3, 1], num_heads=16, head_dim=64,
         n_groups=8, state_size=128, num_slots=12, chunk_size=256, dtype=dtype, device="cuda",
     )
-    assert_matches_ref(case, atol=1e-3 if dtype == torch.float32 else 5e-2)
+    if dtype == torch.float32:
+        assert_matches_ref(case, atol=1e-3)
+        return
+    n = case.num_real_tokens
+    oracle_y, oracle_cache = run_mamba_backend("mamba_torch_ref", _as_fp32(case))
+    for name in ("mamba_torch_ref", "mamba_triton"):
+        y, cache = run_mamba_backend(name, case)
+        assert y.dtype == dtype and torch.isfinite(y[:n]).all()
+        errors = (_rel_err(y[:n], oracle_y[:n]), _rel_err(cache[0], oracle_cache[0]),
+                  _rel_err(cache[1], oracle_cache[1]))
+        print(name, "relative errors y / conv state / ssm state:", errors)
+        assert max(errors) < 1e-2, (name, errors)
