@@ -16,6 +16,10 @@ class CacheLayer(nn.Module):
 
     The runner finds every `CacheLayer` in the model (and in a proposer's drafter), sizes the cache
     from their specs, and binds `kv_cache` once at start-up from `backend.allocate_cache`.
+
+    NOTE: subclasses' `forward` is `torch.compiler.disable`d: under `runner.compile` the model compiles
+    around them. Their metadata are host-side objects and their launch plans come from host integers;
+    tracing them would guard on per-step values and recompile every step.
     """
 
     def __init__(self, spec: AttentionSpec, backend: str, device: torch.device, dtype: torch.dtype):
@@ -29,6 +33,7 @@ class CacheLayer(nn.Module):
 class Attention(CacheLayer):
     """Paged attention over this layer's KV cache."""
 
+    @torch.compiler.disable  # see CacheLayer
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_size]

@@ -196,6 +196,7 @@ class MambaMixer(CacheLayer):
 
     spec: MambaSpec
 
+    @torch.compiler.disable  # see CacheLayer
     def forward(
         self,
         xbc: torch.Tensor,  # [num_tokens, conv_dim]

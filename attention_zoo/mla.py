@@ -236,6 +236,7 @@ class MLAAttention(CacheLayer):
 
     spec: MLASpec
 
+    @torch.compiler.disable  # see CacheLayer
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, H, nope + R], rope applied

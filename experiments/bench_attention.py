@@ -2,6 +2,7 @@
 
     python experiments/bench_attention.py            # full grid
     python experiments/bench_attention.py --quick    # a few points, for a smoke run
+    python -m experiments.paper bench_attention      # the committed table (experiments/paper/)
 
 Attention shape of Llama-3-8B (32 query heads, 8 KV heads, head dim 128), page size 16, bf16, pages
 of each request scattered at random over the pool (what a paged cache looks like after a while).
@@ -11,24 +12,25 @@ decode (the eager time, host launch cost included, is shown beside it); achieved
 K and V bytes read, and "% copy" divides it by the device-to-device copy bandwidth (read + write)
 measured in the same run. Prefill: every request prefills its whole context (causal), reported in TFLOP/s.
 "vs FlashInfer" is FlashInfer's time / this backend's time (> 1: faster than FlashInfer).
+The whole grid is measured `--repeats` times (default 3) in this process; each cell shows the median over
+the repeats and their min–max where they differ.
 Prints a table last; writes experiments/results/bench_attention.{md,json}. CUDA only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
-from pathlib import Path
+from typing import Any
 
 import torch
+from bench_common import add_repeat_args, cell, env_line, environment, repeat, repeats_line, write_results
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 BATCHES, CONTEXTS = (1, 16, 64, 256), (512, 2048, 8192, 32768)
-RESULTS = Path(__file__).parent / "results"
+NAME = "bench_attention"
 
 
 def bench_ms(fn) -> float:
@@ -175,17 +177,38 @@ def grid(quick: bool, phase: str) -> list[tuple[int, int]]:
     return [(b, c) for b in BATCHES for c in CONTEXTS if b * c <= 65536]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--phases", default="decode,prefill")
-    parser.add_argument("--backends", default=",".join(RUNNERS))
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--phases", default="decode,prefill")
+    p.add_argument("--backends", default=",".join(RUNNERS))
+    add_repeat_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention: needs a CUDA GPU (speed claims are made on the GPU); none found, nothing run.")
+    env = environment(torch.device("cuda"))
+    print(env_line(env), flush=True)
+    shape = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, page=PAGE, dtype=str(DTYPE))
+
+    def save(payload: dict[str, Any]) -> str:
+        table = render(payload)
+        write_results(args.name or NAME, table, payload, args.out)
+        return table
+
+    payload = repeat(lambda: measure(args) | {"env": env, "shape": shape}, args.repeats,
+                     ("phase", "batch", "ctx", "backend"), on_repeat=save)
+    print(save(payload))
+    return payload
+
+
+def measure(args) -> dict[str, Any]:
+    """One repeat of the whole grid: {copy_tb_s, rows}."""
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
-    device = torch.cuda.get_device_name()
     rows: list[dict] = []
     for phase in args.phases.split(","):
         for batch, ctx in grid(args.quick, phase):
@@ -217,33 +240,25 @@ def main() -> None:
                     row["vs_flashinfer"] = times["flashinfer"] / row["ms"]
             del case
             torch.cuda.empty_cache()
-    env = dict(device=device, copy_tb_s=copy_bw / 1e12, torch=torch.__version__, python=platform.python_version(),
-               triton=__import__("triton").__version__, shape=dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS,
-               head_size=HEAD_SIZE, page=PAGE, dtype=str(DTYPE)))  # fmt: skip
-    table = render(rows, env)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_attention.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    (RESULTS / "bench_attention.md").write_text(table + "\n")
-    print(table)
+    return {"copy_tb_s": copy_bw / 1e12, "rows": rows}
 
 
-def render(rows: list[dict], env: dict) -> str:
-    head = (f"{env['device']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth {env['copy_tb_s']:.2f} "
-            f"TB/s (read+write); 32 q / 8 kv heads, d 128, page 16, bf16. ms: one CUDA-graph replay "
-            f"(torch_ref: eager); eager ms: launched from Python, host launch cost included; "
-            f"L2 flushed before each run\n")  # fmt: skip
+def render(payload: dict[str, Any]) -> str:
+    env = payload["env"]
+    head = (f"{env_line(env)}\n\ncopy bandwidth {cell(payload, 'copy_tb_s', '.2f')} TB/s (read+write); 32 q / 8 kv "
+            f"heads, d 128, page 16, bf16. ms: one CUDA-graph replay (torch_ref: eager); eager ms: launched from "
+            f"Python, host launch cost included; L2 flushed before each run. {repeats_line(payload)}\n")  # fmt: skip
     lines = [head, "| phase | batch | ctx | backend | ms | eager ms | GB/s | % copy | TFLOP/s | vs FlashInfer | note |",
              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
-
-    def f(row, key, fmt):
-        return format(row[key], fmt) if key in row else "—"
-
-    for r in rows:
+    for r in payload["rows"]:
+        note = r.get("note") or r.get("error", "")
+        if r.get("errors"):
+            note += f"; {len(r['errors'])} repeat(s) failed: {r['errors'][0]}"
         lines.append(
-            f"| {r['phase']} | {r['batch']} | {r['ctx']} | {r['backend']} | {f(r, 'ms', '.4f')} | "
-            f"{f(r, 'eager_ms', '.4f')} | "
-            f"{f(r, 'gb_s', '.0f')} | {f(r, 'pct_copy', '.0%')} | {f(r, 'tflop_s', '.0f')} | "
-            f"{f(r, 'vs_flashinfer', '.2f')} | {r.get('note') or r.get('error', '')} |"
+            f"| {r['phase']} | {r['batch']} | {r['ctx']} | {r['backend']} | {cell(r, 'ms', '.4f')} | "
+            f"{cell(r, 'eager_ms', '.4f')} | "
+            f"{cell(r, 'gb_s', '.0f')} | {cell(r, 'pct_copy', '.0%')} | {cell(r, 'tflop_s', '.0f')} | "
+            f"{cell(r, 'vs_flashinfer', '.2f')} | {note} |"
         )
     return "\n".join(lines)
 

@@ -1,22 +1,29 @@
-"""What the end-to-end benchmarks share: model shapes, the measured ceilings, the environment, results files.
+"""What the benchmarks share: model shapes, the measured ceilings, the environment, repeats, results files.
 
-Imported by `experiments/bench_decode.py` and `experiments/bench_throughput.py` (run as scripts, so this
-folder is on sys.path). No hydra: the GPU machine has none.
+Imported by the `experiments/bench_*.py` scripts (run as scripts, so this folder is on sys.path; the paper
+runner, `python -m experiments.paper`, puts it there too). No hydra: the GPU machine has none.
+
+Repeats: each script measures its whole table `--repeats` times (default 3) and reports, per cell, the
+median over the repeats with the spread (min–max) beside it (`repeat`, `cell`); the JSON keeps every
+repeat's raw values.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from research_lm.report import aggregate_records, fmt_spread
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -112,14 +119,74 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 def env_line(env: dict[str, Any]) -> str:
     dirty = " (uncommitted changes)" if env.get("dirty") else ""
+    command = f"; command `{env['command']}`" if env.get("command") else ""
     return (f"{env['device']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; "
-            f"commit {str(env['commit'])[:12]}{dirty}; {env['date']}")  # fmt: skip
+            f"commit {str(env['commit'])[:12]}{dirty}; {env['date']}{command}")  # fmt: skip
 
 
-def write_results(name: str, table: str, payload: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    (RESULTS / f"{name}.md").write_text(table + "\n")
+def write_results(name: str, table: str, payload: dict[str, Any], out: Path = RESULTS) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(table + "\n")
+
+
+def add_repeat_args(parser: argparse.ArgumentParser, default_repeats: int = 3) -> None:
+    """--repeats, --out, --name: what every benchmark (and the paper runner) passes the same way."""
+    parser.add_argument("--repeats", type=int, default=default_repeats,
+                        help="measure the whole table this many times; each cell: median, min–max")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for <name>.md/.json")
+    parser.add_argument("--name", default=None, help="file name of the table (default: the benchmark's)")
+
+
+def repeat(measure: Callable[[], dict[str, Any]], repeats: int, key: Sequence[str],
+           on_repeat: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run `measure` (one whole table: a payload with `rows`) `repeats` times and aggregate (`aggregate`);
+    `on_repeat` gets the aggregate so far after each repeat (to save partial results)."""
+    payloads: list[dict[str, Any]] = []
+    for i in range(repeats):
+        print(f"[{time.strftime('%X')}] repeat {i + 1}/{repeats}", flush=True)
+        payloads.append(measure())
+        if on_repeat is not None:
+            on_repeat(aggregate(payloads, key))
+    return aggregate(payloads, key)
+
+
+def aggregate(payloads: list[dict[str, Any]], key: Sequence[str]) -> dict[str, Any]:
+    """Repeats of one table as one payload: the first repeat's fields, its numeric top-level fields (e.g. the
+    measured ceilings) and every row's numeric fields replaced by the median over repeats (rows matched by
+    `key`), `spread` = [min, max] beside them (research_lm.report.aggregate_records), `repeats_raw` =
+    every repeat's payload (without env)."""
+    out = dict(payloads[0])
+    top = aggregate_records([[{k: v for k, v in p.items() if _is_number(v)}] for p in payloads], ())[0]
+    out |= {k: v for k, v in top.items() if k != "repeats"}
+    out["rows"] = aggregate_records([p["rows"] for p in payloads], key)
+    out["num_repeats"] = len(payloads)
+    out["repeats_raw"] = [{k: v for k, v in p.items() if k != "env"} for p in payloads]
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def cell(row: dict[str, Any], key: str, spec: str, fn: Callable[[float], float] | None = None) -> str:
+    """row[key] (or fn(row[key]), fn monotone: a scale, an inverse) as `spec`, then ` (min–max)` over the
+    repeats where they differ at that precision; `—` when the row has no such field."""
+    if key not in row:
+        return "—"
+    fn = fn or (lambda v: v)
+    lo_hi = (row.get("spread") or {}).get(key)
+    return fmt_spread(fn(row[key]), None if lo_hi is None else sorted(fn(v) for v in lo_hi), spec)
+
+
+def repeats_line(payload: dict[str, Any]) -> str:
+    n = payload.get("num_repeats", 1)
+    if n == 1:
+        return "One repeat (no spread)."
+    return (f"Each value: the median over {n} repeats of the whole table (in this process), with the spread "
+            "(min–max) in parentheses where the repeats differ at the shown precision; the JSON keeps every "
+            "repeat's values.")
 
 
 def free_cuda() -> None:

@@ -2,12 +2,16 @@
 
     python experiments/bench_decode.py --profile                    # on a CUDA GPU
     python experiments/bench_decode.py --tiny --device cpu --backend torch_ref --steps 8   # smoke run
+    python -m experiments.paper bench_decode                        # the committed table (experiments/paper/)
 
-Rows, all measured in this process:
+Rows, all measured in this process, the whole table `--repeats` times (default 3): each cell shows the
+median over the repeats and their min–max where they differ:
 - floor: the parameter bytes (tied embedding once) over the device copy bandwidth (read + write)
   measured here: no decode step can read its weights faster.
-- research_lm eager / CUDA graphs (`--backend`, triton by default): one request, a `--prompt-len`
-  prompt, then each `engine.step()` timed on the host. The sampler's `.tolist()` waits for the GPU,
+- research_lm eager / CUDA graphs / compiled + CUDA graphs (`compile=True`: torch.compile'd forward,
+  captured in the decode graphs; skipped, with the reason in the table, where EngineConfig has no
+  `compile`) (`--backend`, triton by default): one request, a `--prompt-len` prompt, then each
+  `engine.step()` timed on the host. The sampler's `.tolist()` waits for the GPU,
   so a step's wall time is the whole step: schedule, input prep, forward, logits, sampling,
   bookkeeping. Median over `--steps` steps after `--warmup`.
 - "forward alone": the model forward of one decode token without the rest of the step (CUDA events;
@@ -32,6 +36,8 @@ import torch
 from bench_common import (
     LLAMA_3_2_1B,
     TINY,
+    add_repeat_args,
+    cell,
     copy_bandwidth,
     env_line,
     environment,
@@ -39,24 +45,39 @@ from bench_common import (
     gpu_ms,
     hf_model,
     model_dir,
+    repeat,
+    repeats_line,
     sync,
     weight_bytes,
     write_results,
 )
 
 NAME = "bench_decode"
+# research_lm rows: label -> LLM keywords
+VARIANTS: dict[str, dict[str, Any]] = {
+    "research_lm eager": {"cuda_graphs": False},
+    "research_lm CUDA graphs": {"cuda_graphs": True},
+    "research_lm compiled + CUDA graphs": {"cuda_graphs": True, "compile": True},
+}
 
 
-def build_llm(path: str, args, graphs: bool):
+def build_llm(path: str, args, **variant: Any):
     from research_lm import LLM
 
     max_len = args.prompt_len + args.warmup + max(args.steps, args.profile_steps) + 16
     return LLM(
         path, load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=args.backend,
         max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 256), max_model_len=max_len,
-        num_gpu_blocks=-(-max_len // 16) + 2, enable_prefix_caching=False, cuda_graphs=graphs,
-        cuda_graph_sizes=[1],
+        num_gpu_blocks=-(-max_len // 16) + 2, enable_prefix_caching=False, cuda_graph_sizes=[1], **variant,
     )  # fmt: skip
+
+
+def unsupported(variant: dict[str, Any]) -> str | None:
+    """Why this research_lm cannot build the variant (a keyword EngineConfig lacks), or None."""
+    from research_lm.config import EngineConfig
+
+    missing = [k for k in variant if k not in EngineConfig.__dataclass_fields__]
+    return f"skipped: EngineConfig has no {', '.join(missing)}" if missing else None
 
 
 def decode_steps(engine, prompt: list[int], warmup: int, steps: int) -> list[float]:
@@ -182,11 +203,16 @@ def kernel_profile(engine, prompt: list[int], steps: int) -> dict[str, Any]:
 
 def research_lm_rows(path: str, args, prompt: list[int], device: torch.device) -> list[dict[str, Any]]:
     rows = []
-    for graphs in (False, True):
-        label = "research_lm " + ("CUDA graphs" if graphs else "eager")
+    for label, variant in VARIANTS.items():
+        graphs = variant.get("cuda_graphs", False)
         row: dict[str, Any] = {"variant": label, "backend": args.backend}
+        llm = engine = None
+        if (reason := unsupported(variant)) is not None:
+            print(f"{label}: {reason}", flush=True)
+            rows.append(row | {"error": reason})
+            continue
         try:
-            llm = build_llm(path, args, graphs)
+            llm = build_llm(path, args, **variant)
             engine = llm.engine
             if graphs and engine.runner.cuda_graphs is None:
                 raise RuntimeError("graphs were not captured (see the warning above)")
@@ -194,7 +220,7 @@ def research_lm_rows(path: str, args, prompt: list[int], device: torch.device) -
             row |= {"ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
                     "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3}  # fmt: skip
             forward = {"variant": f"{label}: forward alone", "ms": forward_alone_ms(engine, device)}
-            if args.profile:
+            if args.profile and not variant.get("compile"):  # the stage wrappers would be traced by dynamo
                 row["stages_ms"] = stage_profile(engine, prompt, args.profile_steps, device)
                 if device.type == "cuda" and not graphs:
                     row["kernels"] = kernel_profile(engine, prompt, 8)
@@ -241,7 +267,7 @@ def hf_rows(args, prompt: list[int], device: torch.device, dtype: torch.dtype) -
     return rows
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
@@ -255,12 +281,32 @@ def main() -> None:
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=32)
-    args = p.parse_args()
+    add_repeat_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    device = torch.device(args.device)
+    env = environment(device)
+    print(env_line(env), flush=True)
+    name = args.name or (NAME if not args.tiny else NAME + "_tiny")
+
+    def save(payload: dict[str, Any]) -> str:
+        table = render(payload)
+        write_results(name, table, payload, args.out)
+        return table
+
+    payload = repeat(lambda: measure(args) | {"env": env}, args.repeats, ("variant",), on_repeat=save)
+    print(save(payload))
+    return payload
+
+
+def measure(args) -> dict[str, Any]:
+    """One repeat of the whole table: the ceiling, the research_lm rows and transformers' rows."""
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     shape = TINY if args.tiny else LLAMA_3_2_1B
-    env = environment(device)
-    print(env_line(env), flush=True)
     copy_bw = copy_bandwidth(device)
     path = model_dir(shape)
     prompt = [random.Random(0).randrange(shape["vocab_size"]) for _ in range(args.prompt_len)]
@@ -271,22 +317,13 @@ def main() -> None:
     wbytes = weight_bytes(probe)
     floor_ms = wbytes / copy_bw * 1e3
     rows: list[dict[str, Any]] = [{"variant": "floor: weight bytes / copy bandwidth", "ms": floor_ms}]
-    payload: dict[str, Any] = {
-        "env": env, "copy_tb_s": copy_bw / 1e12, "weight_bytes": wbytes, "shape": shape, "dtype": args.dtype,
-        "prompt_len": args.prompt_len, "steps": args.steps, "warmup": args.warmup, "rows": rows,
-    }  # fmt: skip
-
-    def save() -> str:
-        table = render(payload)
-        write_results(NAME if not args.tiny else NAME + "_tiny", table, payload)
-        return table
-
     rows += research_lm_rows(path, args, prompt, device)
-    save()
     if not args.skip_hf:
         rows += hf_rows(args, prompt, device, dtype)
-    table = save()
-    print(table)
+    return {
+        "copy_tb_s": copy_bw / 1e12, "weight_bytes": wbytes, "shape": shape, "dtype": args.dtype,
+        "prompt_len": args.prompt_len, "steps": args.steps, "warmup": args.warmup, "rows": rows,
+    }  # fmt: skip
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -300,7 +337,8 @@ def render(payload: dict[str, Any]) -> str:
         f"{s['vocab_size']}, tied), random weights, {payload['dtype']}; prompt {payload['prompt_len']} tokens, "
         f"median of {payload['steps']} decode steps after {payload['warmup']}. Weights "
         f"{payload['weight_bytes'] / 1e9:.3f} GB; copy bandwidth {payload['copy_tb_s']:.2f} TB/s (read+write, "
-        f"measured in this run). \"× floor\": ms / floor ms; \"vs HF static\": transformers static ms / ms.\n"
+        f"measured in this run). \"× floor\": ms / floor ms; \"vs HF static\": transformers static ms / ms. "
+        f"{repeats_line(payload)}\n"
     )
     lines = []
     stages = [r for r in rows if "stages_ms" in r]
@@ -311,7 +349,7 @@ def render(payload: dict[str, Any]) -> str:
                   "| stage | " + " | ".join(r["variant"] for r in stages) + " |",
                   "| --- |" + " ---: |" * len(stages)]  # fmt: skip
         for n in names:
-            lines.append(f"| {n} | " + " | ".join(f"{r['stages_ms'].get(n, 0.0):.3f}" for r in stages) + " |")
+            lines.append(f"| {n} | " + " | ".join(_stage(r, n) for r in stages) + " |")
         lines.append("")
     for r in rows:
         if "kernels" in r:
@@ -328,14 +366,22 @@ def render(payload: dict[str, Any]) -> str:
             lines.append(f"| {r['variant']} | — | — | — | — | {r.get('error', '')} |")
             continue
         ms = r["ms"]
-        note = r.get("error", "")
+        note = ""
         if "p90_ms" in r:
-            note = f"mean {r['mean_ms']:.3f}, p90 {r['p90_ms']:.3f}"
+            note = f"mean {cell(r, 'mean_ms', '.3f')}, p90 {cell(r, 'p90_ms', '.3f')}"
         if "first_call_s" in r:
             note = f"first call (compile, warm-up) {r['first_call_s']:.1f} s; {r['transformers_steps']} tokens"
+        if r.get("errors"):
+            note += f"; {len(r['errors'])} repeat(s) failed: {r['errors'][0]}"
         vs = f"{static / ms:.2f}" if static else "—"
-        lines.append(f"| {r['variant']} | {ms:.3f} | {1e3 / ms:.0f} | {ms / floor:.2f} | {vs} | {note} |")
+        lines.append(f"| {r['variant']} | {cell(r, 'ms', '.3f')} | {cell(r, 'ms', '.0f', lambda v: 1e3 / v)} | "
+                     f"{ms / floor:.2f} | {vs} | {note} |")
     return "\n".join(lines)
+
+
+def _stage(row: dict[str, Any], stage: str) -> str:
+    value = row["stages_ms"].get(stage, 0.0)
+    return cell({"v": value, "spread": {"v": (row.get("spread") or {}).get(f"stages_ms.{stage}")}}, "v", ".3f")
 
 
 if __name__ == "__main__":

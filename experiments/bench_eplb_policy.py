@@ -1,10 +1,13 @@
 """EPLB policies at DeepSeek-V3 scale on the CPU: placement compute time and EP balance.
 
     python experiments/bench_eplb_policy.py            # writes experiments/results/eplb_policy.{md,json,png}
+    python -m experiments.paper eplb_policy            # the same, as the paper table (experiments/paper/)
 
 Scale: 58 MoE layers, 256 logical experts, 288 physical slots (32 redundant), 32 EP ranks on 4 nodes,
 8 expert groups (DeepSeek-V3's n_group), so `deepseek` takes its hierarchical branch.
-- time: policy compute per rebalance (all 58 layers), median of --repeats runs after one warm-up;
+The whole table is measured `--repeats` times (default 3); each cell shows the median over the repeats
+and their min–max where they differ (deterministic columns, e.g. balancedness, do not).
+- time: policy compute per rebalance (all 58 layers), median of --timing-runs runs after one warm-up;
   the goal is < 50 ms on a CPU.
 - in-sample balancedness (Σ_layers mean / Σ_layers max rank load): placement computed from one
   Zipf-skewed window load (alpha 0.6 / 1.0 / 1.4; 1M tokens, top-8) and evaluated on that load.
@@ -17,18 +20,18 @@ Scale: 58 MoE layers, 256 logical experts, 288 physical slots (32 redundant), 32
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from bench_common import add_repeat_args, cell, repeat, repeats_line, write_results
 
 from research_lm.env_info import environment
 from research_lm.eplb import available_policies, get_policy, replay, simulate_ep, zipf_load, zipf_trace
 
-RESULTS = Path(__file__).resolve().parent / "results"
+NAME = "eplb_policy"
 LAYERS, EXPERTS, SLOTS, GROUPS, NODES, GPUS = 58, 256, 288, 8, 4, 32
 GOAL_MS = 50.0
 ALPHAS = (0.6, 1.0, 1.4)
@@ -61,16 +64,47 @@ def in_sample_balance(name: str, alpha: float, seed: int) -> float:
     return simulate_ep(load, phy2log, logcnt, GPUS, NODES).balancedness
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=15, help="timed runs per policy (median reported)")
+    ap.add_argument("--timing-runs", type=int, default=15, help="timed runs per policy per repeat (median)")
     ap.add_argument("--steps", type=int, default=600, help="replay trace length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-plot", action="store_true")
-    args = ap.parse_args()
-    if args.repeats < 5:
-        ap.error("--repeats must be >= 5")
+    add_repeat_args(ap)
+    return ap
 
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.timing_runs < 5:
+        ap.error("--timing-runs must be >= 5")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    name = args.name or NAME
+    setup = {"layers": LAYERS, "logical_experts": EXPERTS, "physical_slots": SLOTS, "groups": GROUPS,
+             "nodes": NODES, "ep_ranks": GPUS, "timing_runs": args.timing_runs, "replay_steps": args.steps,
+             "seed": args.seed}
+
+    def save(payload: dict) -> str:
+        for raw in payload["repeats_raw"]:  # the replay is deterministic: its curves are kept once, at the top
+            raw.pop("replay_curves", None)
+        payload["env"] = environment(torch.device("cpu")) | {
+            "cpu_model": cpu_model(), "torch_threads": torch.get_num_threads(), "load_average_1m": os.getloadavg()[0]}
+        table = render(payload)
+        write_results(name, table, payload, args.out)
+        return table
+
+    payload = repeat(lambda: measure(args) | {"setup": setup}, args.repeats, ("policy",), on_repeat=save)
+    table = save(payload)
+    if not args.no_plot:
+        plot(payload["replay_curves"], Path(args.out) / f"{name}.png")
+    print(table)
+    return payload
+
+
+def measure(args) -> dict:
+    """One repeat of the whole table: {rows, replay_curves}."""
     policies = available_policies()
     timing_load = zipf_load(LAYERS, EXPERTS, alpha=1.0, num_tokens=1_000_000, top_k=8, seed=args.seed)
     trace = zipf_trace(args.steps, LAYERS, EXPERTS, alpha=1.0, drift=0.02, num_tokens=4096, top_k=8,
@@ -80,7 +114,7 @@ def main() -> None:
         policy = "deepseek" if name == "static" else name
         row: dict = {"policy": name}
         if name != "static":
-            times = time_policy(policy, timing_load, args.repeats)
+            times = time_policy(policy, timing_load, args.timing_runs)
             row |= {"ms_median": statistics.median(times), "ms_min": min(times), "ms_all": times}
             for alpha in ALPHAS:
                 row[f"balance_alpha_{alpha}"] = in_sample_balance(policy, alpha, args.seed)
@@ -96,23 +130,11 @@ def main() -> None:
         curves[name] = [round(v, 4) for v in result.balancedness.tolist()]
         rows.append(row)
         print(f"{name}: done", flush=True)
-
-    env = environment(torch.device("cpu")) | {"cpu_model": cpu_model(), "torch_threads": torch.get_num_threads(),
-                                              "load_average_1m": os.getloadavg()[0]}
-    setup = {"layers": LAYERS, "logical_experts": EXPERTS, "physical_slots": SLOTS, "groups": GROUPS,
-             "nodes": NODES, "ep_ranks": GPUS, "repeats": args.repeats, "replay_steps": args.steps,
-             "seed": args.seed}
-    table = render(rows, env, setup)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "eplb_policy.json").write_text(json.dumps({"env": env, "setup": setup, "rows": rows,
-                                                          "replay_curves": curves}, indent=1))
-    (RESULTS / "eplb_policy.md").write_text(table + "\n")
-    if not args.no_plot:
-        plot(curves, RESULTS / "eplb_policy.png")
-    print(table)
+    return {"rows": rows, "replay_curves": curves}
 
 
-def render(rows: list[dict], env: dict, setup: dict) -> str:
+def render(payload: dict) -> str:
+    rows, env, setup = payload["rows"], payload["env"], payload["setup"]
     git = env["git"]
     base = next(r["ms_min"] for r in rows if r["policy"] == "deepseek")
     head = [
@@ -127,9 +149,12 @@ def render(rows: list[dict], env: dict, setup: dict) -> str:
         f"commit {git['commit']}{' (dirty)' if git['dirty'] else ''}; {env['date']}.",
         f"Command: `{env['command']}`.",
         "",
-        "ms: policy compute per rebalance, median of "
-        f"{setup['repeats']} runs (goal < {GOAL_MS:.0f} ms). Balance: Σ mean / Σ max rank load, placement "
-        "computed from and evaluated on one Zipf window (in-sample). Replay: drifting Zipf(1.0) trace of "
+        repeats_line(payload),
+        "",
+        "ms: policy compute per rebalance, median (and min) of "
+        f"{setup['timing_runs']} runs in each repeat (goal < {GOAL_MS:.0f} ms). Balance: Σ mean / Σ max rank "
+        "load, placement computed from and evaluated on one Zipf window (in-sample). Replay: drifting "
+        "Zipf(1.0) trace of "
         f"{setup['replay_steps']} steps x 4096 tokens, rebalance every 100 steps from the last 100; "
         "time-weighted balance over the trace and over the steps after the first rebalance; slots "
         "moved per rebalance (weight copies, of 58 x 288 = 16704). `static`: deepseek once, then frozen.",
@@ -146,14 +171,12 @@ def render(rows: list[dict], env: dict, setup: dict) -> str:
     ]
     lines = []
     for r in rows:
-        def f(key, fmt, r=r):
-            return format(r[key], fmt) if key in r else "—"
         ratio = f"{r['ms_min'] / base:.2f}x" if "ms_min" in r else "—"
         lines.append(
-            f"| {r['policy']} | {f('ms_median', '.1f')} | {f('ms_min', '.1f')} | {ratio} | "
-            + " | ".join(f(f"balance_alpha_{a}", ".3f") for a in ALPHAS)
-            + f" | {r['replay_balance']:.3f} | {r['replay_balance_after_first']:.3f} | "
-            f"{r['moved_slots_per_rebalance']:.0f} |"
+            f"| {r['policy']} | {cell(r, 'ms_median', '.1f')} | {cell(r, 'ms_min', '.1f')} | {ratio} | "
+            + " | ".join(cell(r, f"balance_alpha_{a}", ".3f") for a in ALPHAS)
+            + f" | {cell(r, 'replay_balance', '.3f')} | {cell(r, 'replay_balance_after_first', '.3f')} | "
+            f"{cell(r, 'moved_slots_per_rebalance', '.0f')} |"
         )
     return "\n".join(head + lines)
 

@@ -2,6 +2,10 @@
 
     python experiments/bench_throughput.py                     # on a CUDA GPU
     python experiments/bench_throughput.py --tiny --device cpu --backend torch_ref --num-requests 8  # smoke
+    python -m experiments.paper bench_throughput               # the committed table (experiments/paper/)
+
+The whole table is measured `--repeats` times (default 3) in this process; each cell shows the median
+over the repeats and their min–max where they differ.
 
 Workload (research_lm's `synthetic` workload, conf/workload/synthetic.yaml): `--num-requests` requests of
 random token ids, input and output lengths uniform in [100, 1024], seed 0, ignore_eos, all arriving
@@ -28,6 +32,8 @@ import torch
 from bench_common import (
     LLAMA_3_2_1B,
     TINY,
+    add_repeat_args,
+    cell,
     copy_bandwidth,
     env_line,
     environment,
@@ -35,6 +41,8 @@ from bench_common import (
     hf_model,
     matmul_flops,
     model_dir,
+    repeat,
+    repeats_line,
     sync,
     write_results,
 )
@@ -155,7 +163,7 @@ def hf_rows(args, device: torch.device, dtype: torch.dtype, shape: dict[str, Any
     }]  # fmt: skip
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
@@ -169,13 +177,33 @@ def main() -> None:
     p.add_argument("--temperatures", default="0,0.6", help="research_lm runs, comma-separated")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
-    args = p.parse_args()
+    add_repeat_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    device = torch.device(args.device)
+    env = environment(device)
+    print(env_line(env), flush=True)
+    name = args.name or (NAME if not args.tiny else NAME + "_tiny")
+
+    def save(payload: dict[str, Any]) -> str:
+        table = render(payload)
+        write_results(name, table, payload, args.out)
+        return table
+
+    payload = repeat(lambda: measure(args) | {"env": env}, args.repeats, ("system",), on_repeat=save)
+    print(save(payload))
+    return payload
+
+
+def measure(args) -> dict[str, Any]:
+    """One repeat of the whole table: the ceilings and roofline, research_lm's rows, transformers' row."""
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     shape = TINY if args.tiny else LLAMA_3_2_1B
     args.vocab = shape["vocab_size"]
-    env = environment(device)
-    print(env_line(env), flush=True)
     copy_bw, flops = copy_bandwidth(device), matmul_flops(device, dtype)
     free_cuda()
     path = model_dir(shape)
@@ -193,29 +221,21 @@ def main() -> None:
                        copy_bw=copy_bw, flops=flops)  # fmt: skip
     rows: list[dict[str, Any]] = [{"system": "roofline (lower bound, see above)", "wall_s": floor, "note": "",
                                    "output_tokens": sum(out_lens), "input_tokens": sum(in_lens)}]  # fmt: skip
-    payload: dict[str, Any] = {
-        "env": env, "copy_tb_s": copy_bw / 1e12, "gemm_tflop_s": flops / 1e12, "params": params, "dtype": args.dtype,
-        "num_requests": args.num_requests, "hf_num_requests": args.hf_num_requests or args.num_requests,
-        "workload_fingerprint": w.fingerprint(), "rows": rows, "tiny": args.tiny,
-    }  # fmt: skip
-
-    def save() -> str:
-        table = render(payload)
-        write_results(NAME if not args.tiny else NAME + "_tiny", table, payload)
-        return table
-
     temps = [float(t) for t in args.temperatures.split(",") if t]
     try:
         rows += research_lm_rows(path, args, device, temps)
     except Exception as e:  # reported, not fatal: the transformers row still runs
         rows.append({"system": "research_lm", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
-    save()
     if not args.skip_hf:
         try:
             rows += hf_rows(args, device, dtype, shape)
         except Exception as e:
             rows.append({"system": "transformers", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
-    print(save())
+    return {
+        "copy_tb_s": copy_bw / 1e12, "gemm_tflop_s": flops / 1e12, "params": params, "dtype": args.dtype,
+        "num_requests": args.num_requests, "hf_num_requests": args.hf_num_requests or args.num_requests,
+        "workload_fingerprint": w.fingerprint(), "rows": rows, "tiny": args.tiny,
+    }  # fmt: skip
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -232,7 +252,8 @@ def render(payload: dict[str, Any]) -> str:
         f"{env_line(payload['env'])}\n\nnano-vllm workload: {n} requests, input/output lengths uniform in "
         f"[100, 1024], seed 0, ignore_eos, all at t = 0 (fingerprint {payload['workload_fingerprint']}).{scaled} "
         f"{shape}, {payload['dtype']}. Ceilings measured in this run: copy {payload['copy_tb_s']:.2f} TB/s, GEMM "
-        f"{payload['gemm_tflop_s']:.0f} TFLOP/s. Output tok/s = requested output tokens / wall time.\n"
+        f"{payload['gemm_tflop_s']:.0f} TFLOP/s. Output tok/s = requested output tokens / wall time. "
+        f"{repeats_line(payload)}\n"
     )
     lines = [head, "| system | output tok/s | total tok/s | wall s | vs transformers | % of roofline | note |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
@@ -240,13 +261,16 @@ def render(payload: dict[str, Any]) -> str:
         if "wall_s" not in r:
             lines.append(f"| {r['system']} | — | — | — | — | — | {r.get('error', '')} |")
             continue
-        tps = r["output_tokens"] / r["wall_s"]
-        total = (r["output_tokens"] + r["input_tokens"]) / r["wall_s"]
+        out_n, all_n = r["output_tokens"], r["output_tokens"] + r["input_tokens"]
+        tps = out_n / r["wall_s"]
         vs = f"{tps / hf_tps:.2f}" if hf_tps else "—"
         note = r.get("note", "")
         if "steps" in r:
-            note = f"{r['steps']} steps, {r['preemptions']} preemptions; {note}"
-        lines.append(f"| {r['system']} | {tps:,.0f} | {total:,.0f} | {r['wall_s']:.2f} | {vs} | "
+            note = f"{cell(r, 'steps', '.0f')} steps, {cell(r, 'preemptions', '.0f')} preemptions; {note}"
+        if r.get("errors"):
+            note += f"; {len(r['errors'])} repeat(s) failed: {r['errors'][0]}"
+        lines.append(f"| {r['system']} | {cell(r, 'wall_s', ',.0f', lambda s, n=out_n: n / s)} | "
+                     f"{cell(r, 'wall_s', ',.0f', lambda s, n=all_n: n / s)} | {cell(r, 'wall_s', '.2f')} | {vs} | "
                      f"{tps / roof_tps:.0%} | {note} |")  # fmt: skip
     return "\n".join(lines)
 

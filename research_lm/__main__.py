@@ -1,11 +1,18 @@
 """`python -m research_lm [group=option ...]`: the Hydra CLI over conf/.
 
 Our own errors print one line on stderr and exit 2; an unknown config choice lists the valid ones.
+Under torchrun (`torchrun --nproc-per-node 2 -m research_lm ... eplb.expert_parallel=true`, see
+research_lm/distributed.py) every rank runs the same work and rank 0 alone writes the run folder, the
+logs and the printed table.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -43,11 +50,25 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+def _silence_rank() -> list[str]:
+    """Hydra overrides for a torchrun rank other than 0: its run folder goes to a temporary directory (removed
+    at exit) and its stdout nowhere; stderr stays, for errors. Its logger is `none` (experiment.run)."""
+    scratch = tempfile.mkdtemp(prefix="research_lm_rank_")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    return [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}"]
+
+
 def main() -> None:
     try:
         check_choices(sys.argv[1:])
     except UsageError as e:
         _fail(str(e))
+
+    from research_lm.distributed import is_main_process
+
+    if not is_main_process():
+        sys.argv += _silence_rank()  # after the user's overrides: the last value wins
 
     import hydra
     from hydra.core.hydra_config import HydraConfig

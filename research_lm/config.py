@@ -36,6 +36,11 @@ class EngineConfig:
     # Replay pure-decode batches from CUDA graphs, where the device and every attention backend allow it.
     cuda_graphs: bool = False
     cuda_graph_sizes: list[int] | None = None  # padded batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
+    # Triton kernels for RMSNorm(+residual), rotary and SiLU*mul on CUDA (research_lm.ops); off: the torch path.
+    fused_ops: bool = True
+    # The model forward through torch.compile (inductor, dynamic shapes; attention stays eager; composes with
+    # cuda_graphs). See research_lm/compilation.py.
+    compile: bool = False
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (speed runs, vLLM's name)
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
 

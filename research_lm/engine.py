@@ -10,11 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from research_lm.config import EngineConfig
+from research_lm.distributed import setup_expert_parallel
 from research_lm.kv_cache import KVCacheManager
 from research_lm.memory import num_kv_blocks, profile_peak_activation_bytes
 from research_lm.metrics import EngineMetrics
 from research_lm.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
 from research_lm.moe.eplb_controller import build_eplb_controller
+from research_lm.ops import set_fused_ops
 from research_lm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from research_lm.request import Request, RequestStatus
 from research_lm.rng import mix_seed
@@ -41,13 +43,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device = config.resolve_device()
+        self.ep = setup_expert_parallel(config.eplb_config, device)  # eplb.expert_parallel, under torchrun
+        extra = config.model_extra()
+        if self.ep is not None:  # experts sharded over the ranks, everything else replicated
+            device, extra["ep_group"] = self.ep.device, self.ep.group
         path = resolve_model_path(config.model)
         hf_config = load_config(path, trust_remote_code=config.trust_remote_code)
         dtype = config.resolve_dtype(getattr(hf_config, "dtype", None), device)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(
             path, device=device, dtype=dtype, attention_backend=config.attention_backend,
-            trust_remote_code=config.trust_remote_code, extra=config.model_extra(), load_format=config.load_format,
+            trust_remote_code=config.trust_remote_code, extra=extra, load_format=config.load_format,
         )
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         max_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
@@ -58,10 +64,13 @@ class LLMEngine:
         proposer = None
         if config.speculative_config:
             proposer = build_proposer(dict(config.speculative_config), self)
+        drafters = [v for v in vars(proposer).values() if isinstance(v, torch.nn.Module)] if proposer else []
+        for module in (self.model, *drafters):  # runner.fused_ops reaches the drafter's layers too
+            set_fused_ops(module, config.fused_ops)
         self.runner = ModelRunner(
             self.model, device=device, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
-            vocab_size=self.info.vocab_size, proposer=proposer,
+            vocab_size=self.info.vocab_size, proposer=proposer, compile=config.compile,
         )
         # Per-request state (Mamba) summarizes the whole prefix: cached KV blocks cannot restore it, and
         # rejected draft tokens cannot be taken back out of it. Prefix caching goes off, drafting is refused.
@@ -72,6 +81,8 @@ class LLMEngine:
             logger.warning("prefix caching is disabled: this model has Mamba layers, whose per-request state "
                            "a cached prefix cannot restore (pass enable_prefix_caching=False to silence this)")
         self.num_blocks = self._size_kv_cache()
+        if self.ep is not None:  # the ranks' schedules must match: the same KV budget everywhere
+            self.num_blocks = self.ep.agree_min(self.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks, dtype)
         if config.cuda_graphs and (reason := self.runner.capture_cuda_graphs(config.cuda_graph_sizes)):
             logger.warning("CUDA graphs are off: %s; decode runs eagerly", reason)
@@ -187,6 +198,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             out = self.runner.execute(sched)
+            if self.ep is not None:  # rank 0's tokens: the ranks' schedules cannot drift apart
+                out = self.ep.from_rank0(out)
             if self.eplb is not None:
                 self.eplb.step()
             finished += self.scheduler.update_from_output(sched, out)

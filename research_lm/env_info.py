@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -39,10 +40,49 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def command_line(argv: list[str] | None = None, orig_argv: list[str] | None = None) -> str:
+    """The command as the user typed it: `python -m research_lm experiment=eagle3 ...`, `python
+    experiments/bench_decode.py --profile`, shell-quoted (`'workload.input_len=[128,128]'`).
+
+    From `sys.orig_argv` (the interpreter's own argv, options and `-m <module>` included) when it agrees
+    with `sys.argv`; with the interpreter written by its name (`python`), not its path. Otherwise (a
+    worker process, e.g. a joblib sweep job, whose orig_argv is the worker's own launch while sys.argv is
+    its parent's) from `sys.argv`, a path inside a package turned back into `-m <package.module>`."""
+    argv = list(sys.argv if argv is None else argv)
+    orig = list(getattr(sys, "orig_argv", None) or [] if orig_argv is None else orig_argv)
+    args = argv[1:]
+    n = len(orig) - len(args)  # orig[n:] should be the arguments; orig[n - 1] the script, `-c`, or the module
+    if orig and n >= 2 and orig[n:] == args:
+        launched = orig[n - 1]
+        module = orig[n - 1] if orig[n - 2] == "-m" else None
+        typed = launched == argv[0] or argv[0] == orig[n - 2] == "-c"  # a script, or python -c
+        found = _module_of(argv[0])  # of a namespace package (no __init__.py), only the tail: `paper`
+        if typed or (module and (found is None or f".{module}".endswith(f".{found}"))):
+            return shlex.join([Path(orig[0]).name or "python", *orig[1:]])
+    module = _module_of(argv[0]) if argv else None
+    head = ["-m", module] if module else argv[:1]
+    return shlex.join(["python", *head, *args])
+
+
+def _module_of(path: str) -> str | None:
+    """`research_lm/__main__.py` -> `research_lm`, `research_lm/report.py` -> `research_lm.report`: the
+    dotted module of a .py file inside a package (folders with __init__.py, so a namespace package's name
+    is left out); None for a plain script."""
+    file = Path(path)
+    if file.suffix != ".py" or not (file.parent / "__init__.py").is_file():
+        return None
+    parts = [] if file.stem == "__main__" else [file.stem]
+    folder = file.resolve().parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return ".".join(parts)
+
+
 def environment(device: torch.device) -> dict[str, object]:
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": str(device),

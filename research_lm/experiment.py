@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from research_lm.config import EngineConfig
+from research_lm.distributed import is_main_process
 from research_lm.env_info import environment
 from research_lm.llm import LLM
 from research_lm.loggers import get_logger
@@ -46,7 +47,9 @@ def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None) -> dict[
     seed_everything(cfg.seed, deterministic=bool(cfg.deterministic))
     run_dir.mkdir(parents=True, exist_ok=True)
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    logger = get_logger(**OmegaConf.to_container(cfg.logger, resolve=True))
+    # under torchrun rank 0 alone logs; the other ranks run the same work silently (research_lm.__main__)
+    logger_cfg = OmegaConf.to_container(cfg.logger, resolve=True) if is_main_process() else {"name": "none"}
+    logger = get_logger(**logger_cfg)
     group = cfg.sweep_name or sweep_group
     logger.start(run_dir, flat, name=run_dir.name, group=group)
     try:
@@ -117,6 +120,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         mamba_backend=cfg.attention.get("mamba_backend", "mamba_torch_ref"),
         eplb_config=OmegaConf.to_container(cfg.eplb, resolve=True) if "eplb" in cfg else None,
         cuda_graphs=r.get("cuda_graphs", False), cuda_graph_sizes=_list_or_none(r.get("cuda_graph_sizes")),
+        fused_ops=r.get("fused_ops", True), compile=r.get("compile", False),
         load_format=m.get("load_format", "auto"),
     )
 
@@ -212,7 +216,9 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
         n = cfg.warmup_requests
         llm.generate(workload.prompts[:n], workload.params[:n], use_tqdm=False)
     engine.metrics.reset()
-    outputs = serve(engine, workload.prompts, workload.params, workload.arrival_times)
+    outputs = serve(engine, workload.prompts, workload.params, workload.arrival_times,
+                    clock=engine.ep.clock if engine.ep is not None else time.perf_counter,  # EP: rank 0's
+                    progress=is_main_process())
     metrics = engine.metrics
     if logger is not None:
         for step in metrics.steps:

@@ -13,7 +13,12 @@ values that differ). Writes, next to the runs:
 - report_<metric>_vs_<key>.png: each key metric against each numeric swept key, one line per
   combination of the other swept keys (e.g. throughput vs batch per attention backend; tau and
   speedup vs k per proposer); report_<metric>.png: a bar per job when no swept key is numeric;
-- report_eplb_<job>.png: balancedness over time per policy, for `eplb_replay` jobs.
+- report_eplb_<job>.png: balancedness over time per policy, for `eplb_replay` jobs;
+- report.json: the same numbers, machine-readable.
+Repeats: jobs that differ only in the repeat key (`--repeat-key`, default `repeat`: sweep it with
+`+repeat=0,1,2`; `seed` for a seed sweep) are repeats of one cell, and the cell's row shows each metric's
+median over them, with the spread (min–max) in parentheses where the repeats differ; report.json keeps
+every repeat's value. Plots show the medians, with min–max error bars.
 Plots need matplotlib (Agg backend, no display); without it the report says so and writes the table.
 """
 
@@ -23,7 +28,9 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +48,67 @@ PLOT_METRICS = ("output_throughput_tok_s", "tpot_ms_mean", "mean_acceptance_leng
 EPLB_COLUMNS = ("balancedness_total", "balancedness_mean", "balancedness_min", "num_rebalances",
                 "rebalance_ms_median", "moved_slots_total")
 _IGNORED_OVERRIDES = {"hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "logger", "sweep_name"}
+REPEAT_KEY = "repeat"  # `+repeat=0,1,2`: jobs that differ only in it are repeats of one measurement
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def aggregate_records(repeats: Sequence[Sequence[dict[str, Any]]], key: Sequence[str]) -> list[dict[str, Any]]:
+    """Rows of several repeats of one measurement as one row each: rows are matched across repeats by
+    their `key` fields (first-seen order); a numeric field becomes its median over the repeats that have
+    it, with `spread[field] = [min, max]` and the raw values in `repeats[field]`; a dict of numbers (e.g.
+    per-stage times) is aggregated entry by entry (`spread["field.entry"]`); other fields are the first
+    repeat's. A repeat whose row has an `error` counts as failed: `errors` lists those, `num_repeats`
+    counts the others (a row that failed in every repeat keeps its first `error`)."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for rows in repeats:
+        for row in rows:
+            k = tuple(json.dumps(row.get(f), sort_keys=True, default=str) for f in key)
+            groups.setdefault(k, []).append(row)
+    return [_aggregate_rows(rows) for rows in groups.values()]
+
+
+def _aggregate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if "error" not in r]
+    failed = [r["error"] for r in rows if "error" in r]
+    if not ok:
+        return {**rows[0], "num_repeats": 0, "errors": failed}
+    out: dict[str, Any] = {}
+    spread: dict[str, list[float]] = {}
+    raw: dict[str, list[Any]] = {}
+    for field in dict.fromkeys(f for r in ok for f in r):
+        values = [r[field] for r in ok if field in r]
+        if all(_is_number(v) for v in values):
+            out[field] = statistics.median(values)
+            raw[field] = values
+            if len(values) > 1:
+                spread[field] = [min(values), max(values)]
+        elif all(isinstance(v, dict) and v and all(_is_number(x) for x in v.values()) for v in values):
+            sub = _aggregate_rows(values)
+            out[field] = {k: v for k, v in sub.items() if k not in ("spread", "repeats", "num_repeats")}
+            spread |= {f"{field}.{k}": v for k, v in sub["spread"].items()}
+        else:
+            out[field] = values[0]
+    out |= {"num_repeats": len(ok), "spread": spread, "repeats": raw}
+    if failed:
+        out["errors"] = failed
+    return out
+
+
+def fmt_spread(value: Any, spread: Sequence[float] | None, spec: str | None = None) -> str:
+    """`value` as `fmt` (or `format(value, spec)`) and, when the repeats' min and max differ at that
+    precision, ` (min–max)` after it."""
+    show = (lambda v: format(v, spec)) if spec else fmt
+    if value is None:
+        return "—"
+    text = show(value)
+    if spread is not None and _is_number(value):
+        lo, hi = show(spread[0]), show(spread[1])
+        if lo != hi:
+            text += f" ({lo}–{hi})"
+    return text
 
 
 class Job:
@@ -51,7 +119,10 @@ class Job:
         self.config: dict[str, Any] = self.results.get("config") or {}
         self.task: str = self.config.get("task", "generate")
         self.overrides = _overrides(path, self.results)
+        self.name = path.name
         self.label = ""
+        self.spread: dict[str, list[float]] = {}  # metric -> [min, max] over repeats (a Cell's)
+        self.baseline_spread: dict[str, list[float]] = {}
 
     def value(self, key: str) -> Any:
         if key in self.overrides:
@@ -62,6 +133,68 @@ class Job:
                 return None
             node = node[part]
         return node
+
+
+class Cell(Job):
+    """The repeats of one combination of swept values (jobs that differ only in the repeat key), read as one
+    job: its summary (and its baseline's) holds each metric's median over the repeats, `spread` the
+    [min, max]; EPLB rows are aggregated per trace x policy and curves are the per-step medians."""
+
+    def __init__(self, jobs: list[Job], repeat_key: str):
+        first = jobs[0]
+        self.jobs, self.path, self.task, self.config = jobs, first.path, first.task, first.config
+        self.overrides = {k: v for k, v in first.overrides.items() if k != repeat_key}
+        self.name = ",".join(j.name for j in jobs)
+        self.label = ""
+        summary = aggregate_records([[j.summary] for j in jobs], ())[0]
+        self.spread = summary.pop("spread")
+        self.raw = summary.pop("repeats")
+        summary.pop("num_repeats")
+        self.summary = summary
+        self.results = {**first.results, "summary": summary}
+        self.baseline_spread = {}
+        bases = [j.results["baseline"] for j in jobs if j.results.get("baseline")]
+        if bases:
+            base = aggregate_records([[b["summary"]] for b in bases], ())[0]
+            self.baseline_spread, raw = base.pop("spread"), base.pop("repeats")
+            base.pop("num_repeats")
+            self.results["baseline"] = {**bases[0], "summary": base, "repeats": raw}
+        if any(j.results.get("rows") for j in jobs):
+            self.results["rows"] = aggregate_records([j.results.get("rows") or [] for j in jobs], ("trace", "policy"))
+        if any(j.results.get("curves") for j in jobs):
+            self.results["curves"] = _median_curves([j.results["curves"] for j in jobs if j.results.get("curves")])
+
+    def record(self) -> dict[str, Any]:
+        """What report.json keeps of the cell: medians, spreads and every repeat's value."""
+        base = self.results.get("baseline")
+        return {"jobs": [str(j.path) for j in self.jobs], "num_repeats": len(self.jobs),
+                "overrides": self.overrides, "summary": self.summary, "spread": self.spread, "repeats": self.raw,
+                "baseline": None if not base else {"summary": base["summary"], "spread": self.baseline_spread,
+                                                   "repeats": base.get("repeats")},
+                "rows": self.results.get("rows"), "curves": self.results.get("curves")}
+
+
+def _median_curves(runs: list[dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, list[float]]]:
+    """Per trace and policy, the per-step median over repeats (of the steps every repeat has)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for trace, per_policy in runs[0].items():
+        out[trace] = {}
+        for policy in per_policy:
+            series = [r[trace][policy] for r in runs if policy in r.get(trace, {})]
+            out[trace][policy] = [statistics.median(v) for v in zip(*series)]
+    return out
+
+
+def group_repeats(jobs: list[Job], keys: list[str], repeat_key: str = REPEAT_KEY) -> tuple[list[Job], list[str]]:
+    """(cells, their keys): with `repeat_key` among the swept keys, one Cell per combination of the other
+    keys (in first-seen order); otherwise the jobs and keys as they are."""
+    if repeat_key not in keys:
+        return jobs, keys
+    cell_keys = [k for k in keys if k != repeat_key]
+    groups: dict[str, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(json.dumps([job.value(k) for k in cell_keys], sort_keys=True, default=str), []).append(job)
+    return [Cell(group, repeat_key) for group in groups.values()], cell_keys
 
 
 def _overrides(path: Path, results: dict[str, Any]) -> dict[str, Any]:
@@ -137,50 +270,60 @@ def metric_columns(jobs: list[Job]) -> list[str]:
     return cols[:12]
 
 
-def build_report(root: Path, plots: bool = True) -> Path:
-    """Write report.md (and the plots) into root; return report.md's path."""
+def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -> Path:
+    """Write report.md, report.json (and the plots) into root; return report.md's path."""
     root = Path(root)
     jobs = collect(root)
     if not jobs:
         raise ValueError(f"no results.json under {root}")
-    keys = swept_keys(jobs)
-    for i, job in enumerate(jobs):
-        job.label = ", ".join(f"{k}={fmt(job.value(k))}" for k in keys) or job.path.name or f"job {i}"
+    all_keys = swept_keys(jobs)
+    cells, keys = group_repeats(jobs, all_keys, repeat_key)
+    repeated = cells is not jobs
+    for i, cell in enumerate(cells):
+        cell.label = ", ".join(f"{k}={fmt(cell.value(k))}" for k in keys) or cell.name or f"job {i}"
     env = jobs[0].results.get("env") or {}
     git = env.get("git") or {}
     lines = [f"# Report: {root}", ""]
     lines.append(f"{len(jobs)} job(s); task(s): {', '.join(sorted({j.task for j in jobs}))}; "
-                 f"{'swept' if len(jobs) > 1 else 'overrides'}: {', '.join(f'`{k}`' for k in keys) or 'none'}.")
+                 f"{'swept' if len(jobs) > 1 else 'overrides'}: {', '.join(f'`{k}`' for k in all_keys) or 'none'}.")
+    if repeated:
+        counts = sorted({len(c.jobs) for c in cells})
+        lines.append(f"Repeats: {len(cells)} cell(s) x {'/'.join(map(str, counts))} repeat(s) (`{repeat_key}`); each "
+                     "value is the median over a cell's repeats, with the spread (min–max) in parentheses where "
+                     "the repeats differ at the shown precision; report.json keeps every repeat's value.")
     if env:
         lines.append(f"Device: {env.get('device_name') or env.get('device')} ({env.get('device')}); "
                      f"torch {(env.get('packages') or {}).get('torch')}; commit {git.get('commit')}"
                      f"{' (dirty)' if git.get('dirty') else ''}; {env.get('date')}.")
         lines.append(f"Command: `{env.get('command')}`.")
     lines.append("")
-    plain = [j for j in jobs if j.task != "eplb_replay"]
+    plain = [c for c in cells if c.task != "eplb_replay"]
     if plain:
         cols = metric_columns(plain)
         rows = []
-        for j in plain:
-            rows.append([j.path.name, *[j.value(k) for k in keys], *[j.summary.get(c) for c in cols]])
-            base = j.results.get("baseline")
+        for c in plain:
+            rows.append([c.name, *[c.value(k) for k in keys], *[fmt_spread(c.summary.get(c_), c.spread.get(c_))
+                                                                for c_ in cols]])
+            base = c.results.get("baseline")
             if base:  # the same workload on the baseline config, measured in the same process
                 what = ", ".join(f"{k}={fmt(v)}" for k, v in (base.get("overrides") or {}).items())
-                rows.append([f"{j.path.name} baseline ({what})", *["" for _ in keys],
-                             *[base["summary"].get(c) if c in base["summary"] else None for c in cols]])
-        lines += _table(["job", *[f"`{k}`" for k in keys], *cols], rows)
+                rows.append([f"{c.name} baseline ({what})", *["" for _ in keys],
+                             *[fmt_spread(base["summary"].get(m), c.baseline_spread.get(m)) for m in cols]])
+        lines += _table(["job" if not repeated else "jobs", *[f"`{k}`" for k in keys], *cols], rows)
         lines.append("")
-    for job in (j for j in jobs if j.task == "eplb_replay"):
-        lines.append(f"## EPLB replay: {job.label}" if len(jobs) > 1 else "## EPLB replay")
+    for cell in (c for c in cells if c.task == "eplb_replay"):
+        lines.append(f"## EPLB replay: {cell.label}" if len(cells) > 1 else "## EPLB replay")
         lines.append("")
-        cols = [c for c in EPLB_COLUMNS if any(c in r for r in job.results.get("rows", []))]
-        rows = [[r.get("trace"), r.get("policy"), *[r.get(c) for c in cols]] for r in job.results.get("rows", [])]
+        eplb_rows = cell.results.get("rows", [])
+        cols = [c for c in EPLB_COLUMNS if any(c in r for r in eplb_rows)]
+        rows = [[r.get("trace"), r.get("policy"), *[fmt_spread(r.get(c), (r.get("spread") or {}).get(c)) for c in cols]]
+                for r in eplb_rows]
         lines += _table(["trace", "policy", *cols], rows)
         lines.append("")
     written: list[Path] = []
     if plots:
         try:
-            written = make_plots(root, jobs, keys)
+            written = make_plots(root, cells, keys)
         except ImportError:
             lines.append("(matplotlib is not installed: no plots; `pip install matplotlib`)")
     if written:
@@ -197,6 +340,13 @@ def build_report(root: Path, plots: bool = True) -> Path:
                      "tokens.")
     out = root / "report.md"
     out.write_text("\n".join(lines) + "\n")
+    data = {"root": str(root), "env": env, "swept": all_keys, "repeat_key": repeat_key if repeated else None,
+            "keys": keys, "plots": [p.name for p in written],
+            "cells": [c.record() if isinstance(c, Cell) else
+                      {"jobs": [str(c.path)], "num_repeats": 1, "overrides": c.overrides, "summary": c.summary,
+                       "baseline": c.results.get("baseline"), "rows": c.results.get("rows"),
+                       "curves": c.results.get("curves")} for c in cells]}
+    (root / "report.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     return out
 
 
@@ -213,15 +363,11 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", s).strip("_")
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
 def make_plots(root: Path, jobs: list[Job], keys: list[str]) -> list[Path]:
     written: list[Path] = []
     for job in jobs:
         if job.task == "eplb_replay" and job.results.get("curves"):
-            name = "report_eplb.png" if len(jobs) == 1 else f"report_eplb_{_slug(job.path.name)}.png"
+            name = "report_eplb.png" if len(jobs) == 1 else f"report_eplb_{_slug(job.name)}.png"
             plot_balancedness(job.results["curves"], root / name, subtitle=job.label)
             written.append(root / name)
     plain = [j for j in jobs if j.task != "eplb_replay"]
@@ -235,17 +381,22 @@ def make_plots(root: Path, jobs: list[Job], keys: list[str]) -> list[Path]:
     for x in numeric:
         others = [k for k in keys if k != x]
         for metric in metrics:
-            series: dict[str, list[tuple[float, float]]] = {}
+            series: dict[str, list[tuple[float, float, float, float]]] = {}
             for j in plain:
                 if _is_number(j.summary.get(metric)):
                     label = ", ".join(f"{k}={fmt(j.value(k))}" for k in others) or metric
-                    series.setdefault(label, []).append((j.value(x), j.summary[metric]))
+                    y = j.summary[metric]
+                    lo, hi = j.spread.get(metric, (y, y))
+                    series.setdefault(label, []).append((j.value(x), y, lo, hi))
             if not series:
                 continue
             fig, ax = plt.subplots(figsize=(6.4, 4))
             for label, pts in series.items():
                 pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+                ys = [p[1] for p in pts]
+                err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+                ax.errorbar([p[0] for p in pts], ys, yerr=err if any(map(any, err)) else None, marker="o",
+                            capsize=3, label=label)
             if all(isinstance(j.value(x), int) for j in plain):
                 from matplotlib.ticker import MaxNLocator
 
@@ -308,10 +459,13 @@ def plot_balancedness(curves: dict[str, dict[str, list[float]]], path: Path, sub
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m research_lm.report", description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="a run directory or a multirun (sweep) directory")
-    ap.add_argument("--no-plots", action="store_true", help="write only report.md")
+    ap.add_argument("--no-plots", action="store_true", help="write only report.md (and report.json)")
+    ap.add_argument("--repeat-key", default=REPEAT_KEY,
+                    help="jobs differing only in this swept key are repeats of one cell: median (min–max) per "
+                         "metric (default: repeat, swept with +repeat=0,1,2; seed for a seed sweep)")
     args = ap.parse_args(argv)
     try:
-        out = build_report(args.dir, plots=not args.no_plots)
+        out = build_report(args.dir, plots=not args.no_plots, repeat_key=args.repeat_key)
     except (ValueError, FileNotFoundError) as e:
         print(f"research_lm.report: error: {e}", file=sys.stderr)
         return 2

@@ -2,12 +2,38 @@
 
 So a request samples the same tokens whatever else is in the batch, after a preemption, and
 whether or not its tokens were speculated: the draw for output position p is always the same.
+
+Construction (SplitMix64, Steele, Lea & Flood 2014, one stream per row):
+
+    key(seed, position, stream) = fmix64(seed * A + position * B + stream * C)     (mod 2^64)
+    bits[col]                   = fmix64(key + (col + 1) * GAMMA)                  (mod 2^64)
+
+`fmix64` is SplitMix64's finaliser (Stafford's Mix13: xorshift-multiply-xorshift-multiply-xorshift),
+a bijection of 64-bit words with full avalanche; `bits` is exactly the SplitMix64 sequence seeded
+with `key`, a generator that passes BigCrush. Keys are themselves hashed, so two rows' sequences
+overlap only if their keys differ by d * GAMMA with |d| < n (probability ~ 2n / 2^64 per pair).
+
+A whole [rows, n] block costs about 20 elementwise device ops (and ~15 tiny host ops hashing the
+[rows] keys), whatever the number of rows; the per-row torch.Generators this replaces cost a
+Python iteration and a kernel launch per row.
+The words are int64: multiplication wraps modulo 2^64 (two's complement) and a logical right shift
+is an arithmetic shift masked to the low 64 - s bits. Pure integer arithmetic has one answer, so
+CPU and CUDA give bit-identical words, and bit-identical uniforms (their float conversion is
+exact). Exponentials add one float64 `log` before rounding to float32; the devices' float64 logs
+agree to within an ulp, so the float32 variates are the same except, rarely (~2^-29 per variate),
+one float32 ulp apart.
+
+Inputs: `seeds` and `positions` are Python lists (hashed on the host, then copied without a sync)
+or int64 tensors (hashed where they live). Seeds are taken modulo 2^64.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+_U64 = (1 << 64) - 1
 _MASK = (1 << 63) - 1
 
 # Independent streams per purpose, so the sampler's and the rejection sampler's draws never alias.
@@ -16,39 +42,130 @@ ACCEPT = 1
 RECOVER = 2
 DRAFT = 3
 
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (odd, 2^64 / golden ratio)
+_A, _B, _C = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # key mixing (odd)
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # fmix64 multipliers
+
+
+def _signed(x: int) -> int:
+    """The int64 with the same 64 bits as x (torch scalars must fit in int64)."""
+    x &= _U64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _fmix64_py(x: int) -> int:
+    """SplitMix64's finaliser on a Python int (the reference for `_fmix64_`)."""
+    x &= _U64
+    x ^= x >> 30
+    x = (x * _M1) & _U64
+    x ^= x >> 27
+    x = (x * _M2) & _U64
+    return x ^ (x >> 31)
+
+
+def _fmix64_(z: torch.Tensor) -> torch.Tensor:  # int64, modified in place
+    """`_fmix64_py` on int64 tensors: `>>` is arithmetic, so each shift is masked to be logical."""
+    z ^= (z >> 30).bitwise_and_((1 << 34) - 1)
+    z *= _signed(_M1)
+    z ^= (z >> 27).bitwise_and_((1 << 37) - 1)
+    z *= _signed(_M2)
+    z ^= (z >> 31).bitwise_and_((1 << 33) - 1)
+    return z
+
 
 def mix_seed(seed: int, position: int, stream: int) -> int:
-    """A 63-bit seed from (seed, position, stream) via splitmix64 finalisation."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & (
-        (1 << 64) - 1
-    )
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    x ^= x >> 31
-    return x & _MASK
+    """A 63-bit seed from (seed, position, stream): the row key below, top bit cleared."""
+    return _fmix64_py(seed * _A + position * _B + stream * _C) & _MASK
 
 
-def _generator(seed: int, position: int, stream: int, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(mix_seed(seed, position, stream))
-    return g
+def to_device(
+    values: Sequence[int] | Sequence[float] | Sequence[bool] | torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Host values -> a `device` tensor without a host-device sync.
+
+    `torch.tensor(..., device="cuda")` copies from pageable memory and waits for the stream, i.e.
+    for the forward pass still queued on it. Staging in pinned memory makes the copy asynchronous
+    (the caching host allocator keeps the staging block alive until the copy has run).
+    """
+    device = torch.device(device)
+    pin = device.type == "cuda"
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu" or not pin or values.numel() == 0:
+            return values.to(device=device, dtype=dtype)
+        host = values.to(dtype).pin_memory()
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=pin and len(values) > 0)
+    return host.to(device, non_blocking=pin)
+
+
+def _int64(values: Sequence[int] | torch.Tensor) -> torch.Tensor:  # [R] int64, where it lives (lists: CPU)
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64)
+    try:
+        return torch.tensor(values, dtype=torch.int64)
+    except (OverflowError, RuntimeError, ValueError):  # a seed outside int64: same bits mod 2^64
+        return torch.tensor([_signed(v) for v in values], dtype=torch.int64)
+
+
+def row_keys(
+    seeds: Sequence[int] | torch.Tensor,  # [R]
+    positions: Sequence[int] | torch.Tensor,  # [R]
+    stream: int | torch.Tensor,  # or [R] int64, a stream per row
+) -> torch.Tensor:  # [R] int64: fmix64(seed * A + position * B + stream * C)
+    """Each row's SplitMix64 seed; hashed where the inputs live (lists: on the host)."""
+    s, p = _int64(seeds), _int64(positions)
+    assert s.shape == p.shape and s.dim() == 1, (s.shape, p.shape)
+    if s.device != p.device:  # mixed: hash on the accelerator side
+        dev = s.device if s.device.type != "cpu" else p.device
+        s, p = to_device(s, torch.int64, dev), to_device(p, torch.int64, dev)
+    key = s * _signed(_A)
+    key.add_(p, alpha=_signed(_B))
+    if isinstance(stream, torch.Tensor):
+        key.add_(to_device(stream, torch.int64, key.device), alpha=_signed(_C))
+    else:
+        key.add_(_signed(stream * _C))
+    return _fmix64_(key)
+
+
+def _bits(
+    seeds: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor, stream: int | torch.Tensor,
+    n: int, device: torch.device | str,
+) -> torch.Tensor:  # [R, n] int64: SplitMix64 outputs 1..n of each row's key
+    device = torch.device(device)
+    keys = to_device(row_keys(seeds, positions, stream), torch.int64, device)  # [R]
+    cols = torch.arange(1, n + 1, dtype=torch.int64, device=device)  # [n]
+    z = torch.add(keys[:, None], cols[None, :], alpha=_signed(_GAMMA))  # key + (col + 1) * GAMMA
+    return _fmix64_(z)
 
 
 def uniform_rows(
-    seeds: list[int], positions: list[int], stream: int, n: int, device: torch.device
-) -> torch.Tensor:  # [len(seeds), n] float32 in [0, 1)
-    out = torch.empty(len(seeds), n, dtype=torch.float32, device=device)
-    for i, (s, p) in enumerate(zip(seeds, positions, strict=True)):
-        out[i].uniform_(generator=_generator(s, p, stream, device))
-    return out
+    seeds: Sequence[int] | torch.Tensor,  # [R]
+    positions: Sequence[int] | torch.Tensor,  # [R]
+    stream: int | torch.Tensor,  # or [R] int64
+    n: int,
+    device: torch.device | str,
+) -> torch.Tensor:  # [R, n] float32 in (0, 1): never 0 or 1
+    """The top 23 bits k of each word, as (k + 1/2) / 2^23 (exact in float32)."""
+    z = _bits(seeds, positions, stream, n, device)
+    z >>= 41  # arithmetic: a uniform integer in [-2^22, 2^22)
+    return z.to(torch.float32).add_(2**22 + 0.5).mul_(2.0**-23)
 
 
 def exponential_rows(
-    seeds: list[int], positions: list[int], stream: int, n: int, device: torch.device
-) -> torch.Tensor:  # [len(seeds), n] float32, Exp(1); argmax(p / q) samples from p (exponential race)
-    out = torch.empty(len(seeds), n, dtype=torch.float32, device=device)
-    for i, (s, p) in enumerate(zip(seeds, positions, strict=True)):
-        out[i].exponential_(generator=_generator(s, p, stream, device))
-    return out
+    seeds: Sequence[int] | torch.Tensor,  # [R]
+    positions: Sequence[int] | torch.Tensor,  # [R]
+    stream: int | torch.Tensor,  # or [R] int64
+    n: int,
+    device: torch.device | str,
+) -> torch.Tensor:  # [R, n] float32, Exp(1), in [1e-16, 36.8]; argmax(p / q) samples from p
+    """-log(u) with u = (k + 1/2) / 2^52 from the top 52 bits, in float64.
+
+    float64 keeps small variates exact: in the exponential race a token of probability p wins with
+    q ~ p, and a 24-bit u would resolve q only to 6e-8, under-sampling tokens with p below ~1e-7.
+    """
+    z = _bits(seeds, positions, stream, n, device)
+    z >>= 12  # arithmetic: a uniform integer in [-2^51, 2^51)
+    u = z.to(torch.float64).mul_(2.0**-52).add_(0.5 + 2.0**-53)  # exact: (2k + 1) / 2^53 < 1
+    return u.log_().neg_().to(torch.float32)

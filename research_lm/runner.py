@@ -12,6 +12,7 @@ import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.buffers import StepBuffers, slots_for_positions
+from research_lm.compilation import compile_forward
 from research_lm.cuda_graphs import DecodeGraphs, default_capture_sizes, unsupported_reason
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import Logprob
@@ -50,8 +51,11 @@ class ModelRunner:
         max_model_len: int,
         vocab_size: int,
         proposer: Proposer | None = None,
+        compile: bool = False,
     ):
         self.model = model
+        # What eager steps and CUDA-graph captures call: the model, or its torch.compile'd forward.
+        self.forward = compile_forward(model) if compile else model
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -93,7 +97,7 @@ class ModelRunner:
         reason = unsupported_reason(self.model, self.backends, self.device)
         if reason is None:
             self.cuda_graphs = DecodeGraphs(
-                self.model, self.buffers, self.backends, sizes=sizes or default_capture_sizes(self.max_num_seqs),
+                self.forward, self.buffers, self.backends, sizes=sizes or default_capture_sizes(self.max_num_seqs),
                 block_size=self.block_size, max_seq_len=self.max_model_len,
             )
         return reason
@@ -117,7 +121,7 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.covers(common):
             out = self.cuda_graphs.run(common)  # pure decode: replay the padded batch's graph
         else:
-            out = self.model(input_ids, positions, attn_metadata)
+            out = self.forward(input_ids, positions, attn_metadata)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
 
         logits_indices = self.buffers.logits_indices.copy_to_gpu(len(sample_rows))

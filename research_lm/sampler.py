@@ -16,12 +16,16 @@ Order of processing (vLLM V1's `Sampler.forward`):
 
 Every random draw comes from `rng.exponential_rows(seed, position, stream)`, so a row's token
 depends only on its own logits, params, seed and position: never on the batch around it.
+
+Host cost: `SamplingBatch.build` is one pass of Python over the rows plus at most two pinned,
+non-blocking copies (floats, ints); nothing in this module synchronises with the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 
 import numpy as np
@@ -103,26 +107,35 @@ def _token_index(
     # np.fromiter is ~10x faster than torch.tensor on a long Python list.
     flat = torch.from_numpy(np.fromiter(chain.from_iterable(token_lists), np.int64, sum(lengths)))
     row = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor(lengths, dtype=torch.int64))
-    return (row * vocab_size + flat).to(device)
+    return rng.to_device(row * vocab_size + flat, torch.int64, device)
+
+
+def _upload(
+    named: dict[str, list[float] | list[int] | None], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor | None]:  # name -> [len] view of one device tensor (None stays None)
+    """Several host lists -> device in one non-blocking copy."""
+    present = {k: v for k, v in named.items() if v is not None}
+    out: dict[str, torch.Tensor | None] = dict.fromkeys(named)
+    if present:
+        flat = rng.to_device(list(chain.from_iterable(present.values())), dtype, device)
+        out.update(zip(present, flat.split([len(v) for v in present.values()])))
+    return out
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as tensors, built once per step by `SamplingBatch.build`.
+    """Per-row sampling parameters, built once per step by `SamplingBatch.build`.
 
+    Only what some row uses becomes a tensor (None otherwise), and every tensor reaches the device
+    through one pinned, non-blocking copy, so building a batch never waits for the GPU. An
+    all-greedy batch without penalties, min_tokens or logprobs builds no tensor at all.
     Greedy rows carry neutral values for temperature / top-k / top-p / min-p (1, V, 1, 0), so the
     processing functions can run over the whole batch without branching per row.
     """
 
     vocab_size: int
-    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows
-    top_k: torch.Tensor  # [R] int64; V where disabled (and on greedy rows)
-    top_p: torch.Tensor  # [R] float32; 1.0 where disabled
-    min_p: torch.Tensor  # [R] float32; 0.0 where disabled
-    presence_penalty: torch.Tensor  # [R] float32
-    frequency_penalty: torch.Tensor  # [R] float32
-    repetition_penalty: torch.Tensor  # [R] float32
-    greedy_mask: torch.Tensor  # [R] bool
+    device: torch.device
+    greedy: list[bool]  # [R]
     seeds: list[int]  # [R] request.seed
     positions: list[int]  # [R] output index being sampled
     random_rows: list[int]  # indices of non-greedy rows
@@ -133,7 +146,14 @@ class SamplingBatch:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    temperature: torch.Tensor | None  # [R] float32; 1.0 on greedy rows; None when all are 1.0
+    top_k: torch.Tensor | None  # [R] int64; V where disabled; None when no_top_k
+    top_p: torch.Tensor | None  # [R] float32; 1.0 where disabled; None when no_top_p
+    min_p: torch.Tensor | None  # [R] float32; 0.0 where disabled; None when no_min_p
     # Penalty state; None when no row needs it (fast path).
+    presence_penalty: torch.Tensor | None  # [R] float32; None when output_counts is None
+    frequency_penalty: torch.Tensor | None  # [R] float32; None when output_counts is None
+    repetition_penalty: torch.Tensor | None  # [R] float32; None when seen_mask is None
     output_counts: torch.Tensor | None  # [R, V] float32: occurrences among the row's outputs
     seen_mask: torch.Tensor | None  # [R, V] bool: token in the row's prompt or outputs
     # min_tokens: (row, token) pairs to ban; None when no row is below its min_tokens.
@@ -148,6 +168,10 @@ class SamplingBatch:
     def no_penalties(self) -> bool:
         return self.output_counts is None and self.seen_mask is None
 
+    @cached_property
+    def greedy_mask(self) -> torch.Tensor:  # [R] bool, built on first use (mixed batches)
+        return rng.to_device(self.greedy, torch.bool, self.device)
+
     @classmethod
     def build(
         cls, rows: Sequence[RowLike], vocab_size: int, device: torch.device | str = "cpu"
@@ -157,34 +181,30 @@ class SamplingBatch:
         V = vocab_size
         rs = [_as_row(r) for r in rows]
         params = [r.request.sampling_params for r in rs]
+        positions = [r.position for r in rs]
         greedy = [sp.greedy for sp in params]
-
-        temperature = [1.0 if g else sp.temperature for g, sp in zip(greedy, params)]
-        top_k = [V if g or sp.top_k <= 0 or sp.top_k >= V else sp.top_k for g, sp in zip(greedy, params)]
-        top_p = [1.0 if g else sp.top_p for g, sp in zip(greedy, params)]
-        min_p = [0.0 if g else sp.min_p for g, sp in zip(greedy, params)]
-
-        # Penalties: build only the state some row uses, and only from the rows that use it.
+        all_greedy = all(greedy)
         use_count = [sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 for sp in params]
         use_seen = [sp.repetition_penalty != 1.0 for sp in params]
-        output_counts = seen_mask = None
-        if any(use_count):
-            idx = _token_index([r.outputs if u else [] for r, u in zip(rs, use_count)], V, device)
-            output_counts = torch.zeros(len(rs) * V, dtype=torch.float32, device=device)
-            # Small integer sums are exact in float32, so the atomic add order does not matter.
-            output_counts = output_counts.index_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))
-            output_counts = output_counts.view(len(rs), V)
-        if any(use_seen):
-            lists = [r.request.prompt_token_ids + r.outputs if u else [] for r, u in zip(rs, use_seen)]
-            seen_mask = torch.zeros(len(rs) * V, dtype=torch.bool, device=device)
-            seen_mask[_token_index(lists, V, device)] = True
-            seen_mask = seen_mask.view(len(rs), V)
+        asked = [sp.logprobs for sp in params if sp.logprobs is not None]
+
+        # Truncation parameters (random rows only; neutral on greedy rows); None where unused.
+        top_k = top_p = min_p = temperature = None
+        if not all_greedy:
+            temperature = [1.0 if g else sp.temperature for g, sp in zip(greedy, params)]
+            top_k = [V if g or sp.top_k <= 0 or sp.top_k >= V else sp.top_k for g, sp in zip(greedy, params)]
+            top_p = [1.0 if g else sp.top_p for g, sp in zip(greedy, params)]
+            min_p = [0.0 if g else sp.min_p for g, sp in zip(greedy, params)]
+            top_k = None if all(k >= V for k in top_k) else top_k
+            top_p = None if all(p >= 1.0 for p in top_p) else top_p
+            min_p = None if all(p <= 0.0 for p in min_p) else min_p
+            temperature = None if all(t == 1.0 for t in temperature) else temperature
 
         # min_tokens: ban the stop ids (and EOS unless ignore_eos) while outputs < min_tokens.
         banned_rows: list[int] = []
         banned_ids: list[int] = []
-        for i, (r, sp) in enumerate(zip(rs, params)):
-            if r.position >= sp.min_tokens:
+        for i, (r, sp, pos) in enumerate(zip(rs, params, positions)):
+            if pos >= sp.min_tokens:
                 continue
             ids = set(sp.stop_token_ids)
             if not sp.ignore_eos and r.request.eos_token_id is not None:
@@ -193,38 +213,54 @@ class SamplingBatch:
             banned_rows += [i] * len(ids)
             banned_ids += ids
 
-        asked = [sp.logprobs for sp in params if sp.logprobs is not None]
+        # Every per-row tensor some row uses, in one float and one int host -> device copy.
+        any_count, any_seen = any(use_count), any(use_seen)
+        floats = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "min_p": min_p,
+            "presence_penalty": [sp.presence_penalty for sp in params] if any_count else None,
+            "frequency_penalty": [sp.frequency_penalty for sp in params] if any_count else None,
+            "repetition_penalty": [sp.repetition_penalty for sp in params] if any_seen else None,
+        }
+        ints = {
+            "top_k": top_k,
+            "banned_rows": banned_rows or None,
+            "banned_token_ids": banned_ids or None,
+        }
+        tensors = {**_upload(floats, torch.float32, device), **_upload(ints, torch.int64, device)}
 
-        def f32(x: list[float]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.float32, device=device)
-
-        def i64(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
+        # Penalties: build only the state some row uses, and only from the rows that use it.
+        output_counts = seen_mask = None
+        if any_count:
+            idx = _token_index([r.outputs if u else [] for r, u in zip(rs, use_count)], V, device)
+            output_counts = torch.zeros(len(rs) * V, dtype=torch.float32, device=device)
+            # Small integer sums are exact in float32, so the atomic add order does not matter.
+            output_counts = output_counts.index_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))
+            output_counts = output_counts.view(len(rs), V)
+        if any_seen:
+            lists = [r.request.prompt_token_ids + r.outputs if u else [] for r, u in zip(rs, use_seen)]
+            seen_mask = torch.zeros(len(rs) * V, dtype=torch.bool, device=device)
+            seen_mask[_token_index(lists, V, device)] = True
+            seen_mask = seen_mask.view(len(rs), V)
 
         return cls(
             vocab_size=V,
-            temperature=f32(temperature),
-            top_k=i64(top_k),
-            top_p=f32(top_p),
-            min_p=f32(min_p),
-            presence_penalty=f32([sp.presence_penalty for sp in params]),
-            frequency_penalty=f32([sp.frequency_penalty for sp in params]),
-            repetition_penalty=f32([sp.repetition_penalty for sp in params]),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            device=device,
+            greedy=greedy,
             seeds=[r.request.seed for r in rs],
-            positions=[r.position for r in rs],
-            random_rows=[i for i, g in enumerate(greedy) if not g],
+            positions=positions,
+            random_rows=[] if all_greedy else [i for i, g in enumerate(greedy) if not g],
             num_logprobs=[sp.logprobs for sp in params],
             max_num_logprobs=max(asked) if asked else None,
-            all_greedy=all(greedy),
+            all_greedy=all_greedy,
             all_random=not any(greedy),
-            no_top_k=all(k >= V for k in top_k),
-            no_top_p=all(p >= 1.0 for p in top_p),
-            no_min_p=all(p <= 0.0 for p in min_p),
+            no_top_k=top_k is None,
+            no_top_p=top_p is None,
+            no_min_p=min_p is None,
             output_counts=output_counts,
             seen_mask=seen_mask,
-            banned_rows=i64(banned_rows) if banned_rows else None,
-            banned_token_ids=i64(banned_ids) if banned_ids else None,
+            **tensors,
         )
 
 
@@ -250,9 +286,9 @@ def apply_penalties(
     logits: torch.Tensor,  # [R, V] float32
     output_counts: torch.Tensor | None,  # [R, V] float32 counts over outputs; None: no presence/freq
     seen_mask: torch.Tensor | None,  # [R, V] bool, seen in prompt or outputs; None: no repetition
-    presence_penalty: torch.Tensor,  # [R] float32
-    frequency_penalty: torch.Tensor,  # [R] float32
-    repetition_penalty: torch.Tensor,  # [R] float32
+    presence_penalty: torch.Tensor | None,  # [R] float32; needed with output_counts
+    frequency_penalty: torch.Tensor | None,  # [R] float32; needed with output_counts
+    repetition_penalty: torch.Tensor | None,  # [R] float32; needed with seen_mask
 ) -> torch.Tensor:  # [R, V]
     """vLLM's penalties, in this order:
 
@@ -334,7 +370,8 @@ def process_logits(
                                  batch.frequency_penalty, batch.repetition_penalty)
     if batch.all_greedy:
         return logits  # the rest is argmax-invariant
-    logits = apply_temperature(logits, batch.temperature)
+    if batch.temperature is not None:
+        logits = apply_temperature(logits, batch.temperature)
     if not batch.no_min_p:
         logits = apply_min_p(logits, batch.min_p)
     return apply_top_k_top_p(logits, None if batch.no_top_k else batch.top_k,
@@ -346,11 +383,12 @@ def probs_from_processed(
     batch: SamplingBatch,
 ) -> torch.Tensor:  # [R, V] float32
     """softmax(processed); greedy rows are one-hot on argmax (first index on ties)."""
-    probs = processed.softmax(dim=-1)
-    if not batch.all_random:
-        one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(batch.greedy_mask[:, None], one_hot, probs)
-    return probs
+    if batch.all_random:
+        return processed.softmax(dim=-1)
+    one_hot = torch.zeros_like(processed).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+    if batch.all_greedy:
+        return one_hot
+    return torch.where(batch.greedy_mask[:, None], one_hot, processed.softmax(dim=-1))
 
 
 def compute_probs(
@@ -367,32 +405,35 @@ def compute_probs(
 
 
 def random_sample(
-    probs: torch.Tensor,  # [N, V] float32
-    seeds: list[int],  # [N]
-    positions: list[int],  # [N]
-    stream: int = rng.SAMPLE,
+    probs: torch.Tensor,  # [N, V] float32, any non-negative weights (need not sum to 1)
+    seeds: Sequence[int] | torch.Tensor,  # [N]
+    positions: Sequence[int] | torch.Tensor,  # [N]
+    stream: int | torch.Tensor = rng.SAMPLE,  # or [N] int64, one stream per row
 ) -> torch.Tensor:  # [N] int64
-    """Exponential race: argmax_i p_i / q_i with q_i ~ Exp(1) is distributed as p.
+    """Exponential race: argmax_i p_i / q_i with q_i ~ Exp(1) is distributed as p / sum(p).
 
     q comes from (seed, position, stream) alone, so each row's draw is batch-independent.
+    q >= 1e-16 (`rng.exponential_rows`), so p / q is finite and masked tokens (p = 0) stay at 0.
     """
     q = rng.exponential_rows(seeds, positions, stream, probs.shape[-1], probs.device)  # [N, V]
-    # NOTE: q == 0 would make 0 / 0 = nan, which argmax picks; clamp so masked tokens stay at 0.
-    return (probs / q.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    return torch.div(probs, q, out=q).argmax(dim=-1)
 
 
 def sample_tokens(
     processed: torch.Tensor,  # [R, V] float32, from process_logits
     batch: SamplingBatch,
 ) -> torch.Tensor:  # [R] int64
-    """Greedy rows: argmax; random rows: `random_sample` of softmax(processed)."""
+    """Greedy rows: argmax; random rows: `random_sample` of softmax(processed).
+
+    Noise is drawn for the random rows only: on a mixed batch they are gathered first.
+    """
     if batch.all_greedy:
         return processed.argmax(dim=-1)
     if batch.all_random:
         return random_sample(processed.softmax(dim=-1), batch.seeds, batch.positions)
     tokens = processed.argmax(dim=-1)  # [R]
     idx = batch.random_rows
-    idx_t = torch.tensor(idx, dtype=torch.int64, device=processed.device)
+    idx_t = rng.to_device(idx, torch.int64, processed.device)  # [N]
     probs = processed[idx_t].softmax(dim=-1)  # [N, V]
     drawn = random_sample(probs, [batch.seeds[i] for i in idx], [batch.positions[i] for i in idx])
     return tokens.index_copy(0, idx_t, drawn)
@@ -463,7 +504,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    """logits [R, V] -> one token per row (+ raw logprobs when asked). Stateless."""
+    """logits [R, V] -> one token per row (+ raw logprobs when asked). Stateless.
+
+    Nothing here waits for the device: the caller's `.tolist()` of the tokens is the step's one
+    host-device sync. An all-greedy batch without penalties, min_tokens or logprobs is one argmax.
+    """
 
     def __call__(
         self,

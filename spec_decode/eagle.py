@@ -44,6 +44,7 @@ from research_lm.models.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     VocabParallelEmbedding,
     compute_logits,
@@ -134,7 +135,7 @@ class Eagle3Layer(nn.Module):
         self,
         embeds: torch.Tensor,  # [T, H]
         features: torch.Tensor,  # [T, H]
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         attn_metadata: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output, residual); the stream is their sum
         if self.norm_before_residual:

@@ -252,7 +252,7 @@ def pick_tokens(
     probs = probs_from_processed(processed, batch)  # greedy rows one-hot
     tokens = processed.argmax(dim=-1)
     if batch.random_rows:
-        idx = torch.tensor(batch.random_rows, dtype=torch.int64, device=logits.device)
+        idx = rng.to_device(batch.random_rows, torch.int64, logits.device)
         drawn = random_sample(
             probs[idx], [batch.seeds[i] for i in batch.random_rows],
             [batch.positions[i] for i in batch.random_rows], rng.DRAFT,

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from research_lm.request import Request
 from research_lm.sampler import (
@@ -112,6 +113,56 @@ def test_row_forms_are_equivalent():
     b = sample(logits, [SamplingRow(req)])[0].token_ids
     c = sample(logits, [(req, [3])])[0].token_ids
     assert a == b == c
+
+
+# ---------------------------------------------------------------------------------------------
+# Host work per step
+# ---------------------------------------------------------------------------------------------
+
+
+class CountOps(TorchDispatchMode):
+    """Records every aten op (on CUDA: a kernel launch or a copy) run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("n", [1, 64])
+def test_all_greedy_batch_is_one_argmax_and_builds_no_tensor(n):
+    """The common benchmark case: no per-row tensor, no copy, one kernel."""
+    reqs = [make_req(i, temperature=0.0, outputs=[1, 2], max_tokens=9) for i in range(n)]
+    logits = rand_logits(n)
+    with CountOps() as ops:
+        batch = SamplingBatch.build(reqs, V)
+        out = Sampler()(logits, batch)
+    assert ops.names == ["aten.argmax.default"]
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    fields = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "output_counts", "seen_mask", "banned_rows", "banned_token_ids")
+    assert all(getattr(batch, f) is None for f in fields)
+    assert torch.equal(compute_probs(logits, batch), torch.nn.functional.one_hot(logits.argmax(-1), V).float())
+
+
+def test_sampling_ops_do_not_grow_with_batch_size():
+    """Seeded rows, every feature on: the same ops at batch 4 and 64 (no per-row generators or copies)."""
+
+    def count(n: int) -> list[str]:
+        reqs = [make_req(i, temperature=0.0 if i % 2 else 0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
+                         presence_penalty=0.2, repetition_penalty=1.1, min_tokens=3, stop_token_ids=[4],
+                         outputs=[i % V]) for i in range(n)]
+        with CountOps() as ops:
+            Sampler()(rand_logits(n), SamplingBatch.build(reqs, V))
+        return ops.names
+
+    assert count(4) == count(64)
+    # Temperature 1 everywhere: no temperature tensor and no division.
+    batch = SamplingBatch.build([make_req(i, top_p=0.5) for i in range(3)], V)
+    assert batch.temperature is None and batch.top_p is not None and batch.top_k is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,3 +407,17 @@ def test_compute_probs_greedy_one_hot_and_random_normalised():
 def test_sampling_params_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.gpu
+def test_cuda_samples_the_same_tokens_as_cpu():
+    """Counter-based noise is device-independent, so seeded rows pick the same tokens on CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    reqs = [make_req(i, temperature=[0.0, 0.7, 1.0][i % 3], top_k=[0, 8][i % 2], top_p=0.95, logprobs=2,
+                     presence_penalty=0.2, min_tokens=2, stop_token_ids=[4], outputs=[i % V]) for i in range(64)]
+    logits = rand_logits(64)
+    cpu = Sampler()(logits, SamplingBatch.build(reqs, V, "cpu"))
+    cuda = Sampler()(logits.cuda(), SamplingBatch.build(reqs, V, "cuda"))
+    assert cuda.token_ids.device.type == "cuda"
+    assert torch.equal(cuda.token_ids.cpu(), cpu.token_ids)

@@ -19,6 +19,7 @@ from research_lm.models.causal_lm import CausalLMShell
 from research_lm.models.layers import (
     GatedMLP,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     VocabParallelEmbedding,
     rope_parameters,
@@ -61,7 +62,7 @@ class BambaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's output
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None at layer 0
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         attn_metadata: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, residual); the stream is their sum
         if residual is None:

@@ -58,11 +58,12 @@ from research_lm.models.layers import (
     Linear,
     MergedColumnParallelLinear,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     _yarn_mscale,
-    apply_rotary,
+    apply_rope,
     rope_parameters,
 )
 from research_lm.models.llama import LlamaForCausalLM, LlamaModel, PreNormDecoderLayer
@@ -194,16 +195,19 @@ class DeepseekAttention(nn.Module):
         self.attn = MLAAttention(spec, backend, build.device, build.dtype)
 
     def _rope(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]  # x: [num_tokens, heads, rope_dim]
-    ) -> torch.Tensor:
+        self,
+        rope: Rope,
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, rope_dim]
+        k_pe: torch.Tensor,  # [num_tokens, 1, rope_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rope_interleave:  # pairs (x0, x1), (x2, x3), ... -> halves (x0, x2, ...), (x1, x3, ...)
-            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        return apply_rotary(x, *rope)
+            q_pe, k_pe = (torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) for x in (q_pe, k_pe))
+        return apply_rope(rope, q_pe, k_pe)
 
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, rope_dim // 2] fp32
+        rope: Rope,
         attn_metadata: dict[str, Any],
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
@@ -214,8 +218,9 @@ class DeepseekAttention(nn.Module):
             q, latent = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
         q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q = torch.cat((q_nope, self._rope(q_pe, rope)), dim=-1)  # [num_tokens, H, nope + rope]
-        k_pe = self._rope(k_pe[:, None, :], rope)[:, 0]  # [num_tokens, rope]
+        q_pe, k_pe = self._rope(rope, q_pe, k_pe[:, None, :])
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [num_tokens, H, nope + rope]
+        k_pe = k_pe[:, 0]  # [num_tokens, rope]
         out = self.attn(q, self.kv_a_layernorm(kv_c), k_pe, self.kv_b_proj.weight, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 

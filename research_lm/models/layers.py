@@ -1,5 +1,8 @@
 """Reusable building blocks: RMSNorm, rotary embedding, linear layers with sliceable loaders, gated MLP.
 
+RMSNorm, RotaryEmbedding and GatedMLP run fused Triton kernels on CUDA (`research_lm.ops`; each module's
+`fused_ops` switch, `set_fused_ops(model, False)` for all); on CPU and under torch.compile, the torch code.
+
 Parameters are created with torch's current default device and dtype: build them inside
 `base.build_scope`. Every parameter gets a `weight_loader`; the `*Parallel*` names say which
 dimension tensor parallelism will split (not implemented yet: today every rank holds everything).
@@ -8,28 +11,27 @@ dimension tensor parallelism will split (not implemented yet: today every rank h
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from research_lm.models.base import default_weight_loader, set_weight_loader
+from research_lm.ops import apply_rotary, rms_norm_ref, rope_cos_sin, silu_and_mul_ref, use_fused
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x), the statistics in fp32 (as transformers does). Optionally fused with the residual add."""
+    """y = w * x / rms(x), the statistics in fp32 (as transformers does). Optionally fused with the residual add.
+
+    On CUDA one Triton kernel (`research_lm.ops`), unless `fused_ops` is off; else `rms_norm_ref`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
         set_weight_loader(self.weight, default_weight_loader)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden_size]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        self.fused_ops = True
 
     def forward(
         self,
@@ -37,10 +39,11 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None = None,  # [..., hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); or, with a residual, (norm(x + residual), x + residual): the new residual stream."""
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        if use_fused(self, x):
+            from research_lm.ops.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm_ref(x, self.weight, self.eps, residual)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -133,35 +136,48 @@ def rope_inv_freq(
     raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
 
 
+class Rope(NamedTuple):
+    """One forward's rotary inputs, made once by `RotaryEmbedding` and handed to every attention layer."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    inv_freq: torch.Tensor  # [rotary_dim // 2] fp32
+    attention_scaling: float
+    # [num_tokens, rotary_dim // 2] fp32, scaled: the torch path's table; None where the kernel computes them
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
-    """positions -> (cos, sin), computed on the fly in fp32 (no per-position table to keep)."""
+    """positions -> `Rope`; cos/sin computed on the fly in fp32 (no per-position table to keep).
+
+    On CUDA the fused kernel computes cos/sin itself while rotating (unless `fused_ops` is off)."""
 
     def __init__(self, head_size: int, params: dict[str, Any], max_positions: int):
         super().__init__()
         self.rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
         inv_freq, self.attention_scaling = rope_inv_freq(params, self.rotary_dim, max_positions)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # fp32, on the build device
+        self.fused_ops = True
 
-    def forward(
-        self, positions: torch.Tensor  # [num_tokens] int64
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, rotary_dim // 2] fp32
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+    def forward(self, positions: torch.Tensor) -> Rope:  # positions: [num_tokens] int64
+        inv_freq = self.inv_freq.float()  # a no-op unless someone cast the model's buffers
+        if use_fused(self, positions):
+            return Rope(positions, inv_freq, self.attention_scaling)
+        cos, sin = rope_cos_sin(positions, inv_freq, self.attention_scaling)
+        return Rope(positions, inv_freq, self.attention_scaling, cos, sin)
 
 
-def apply_rotary(
-    x: torch.Tensor,  # [num_tokens, num_heads, head_size]
-    cos: torch.Tensor,  # [num_tokens, rotary_dim // 2] fp32
-    sin: torch.Tensor,  # [num_tokens, rotary_dim // 2] fp32
-) -> torch.Tensor:  # [num_tokens, num_heads, head_size], x's dtype
-    """Rotate pairs (x[i], x[i + rotary_dim/2]) by position * inv_freq[i]; dims past rotary_dim pass through."""
-    rotary_dim = 2 * cos.shape[-1]
-    x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-    if rotary_dim == x.shape[-1]:
-        return rotated
-    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+def apply_rope(
+    rope: Rope,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    k: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # q and k rotated (new tensors)
+    """Rotate q and k at rope.positions: one fused kernel for both, or `apply_rotary` with rope's cos/sin."""
+    if rope.cos is None:
+        from research_lm.ops.rotary import rotary_embedding
+
+        return rotary_embedding(q, k, rope.positions, rope.inv_freq, rope.attention_scaling)
+    return apply_rotary(q, rope.cos, rope.sin), None if k is None else apply_rotary(k, rope.cos, rope.sin)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -266,7 +282,12 @@ class GatedMLP(nn.Module):
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: ['silu']")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.fused_ops = True  # silu(gate) * up in one Triton kernel on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if use_fused(self, gate_up):
+            from research_lm.ops.silu_and_mul import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul_ref(gate_up))

@@ -23,10 +23,11 @@ from research_lm.models.layers import (
     GatedMLP,
     QKVParallelLinear,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rotary,
+    apply_rope,
     rope_parameters,
 )
 from research_lm.models.registry import register_model
@@ -95,7 +96,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, rotary_dim // 2] fp32
+        rope: Rope,
         attn_metadata: dict[str, Any],
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
@@ -106,7 +107,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = apply_rope(rope, q, k)
         out = self.attn(q, k, v, attn_metadata)  # [num_tokens, num_heads, head_size]
         return self.o_proj(out.reshape(num_tokens, q_size))
 
@@ -127,7 +128,7 @@ class PreNormDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's output
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None at layer 0
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         attn_metadata: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, residual); the stream is their sum
         if residual is None:

@@ -18,10 +18,12 @@ class EplbSettings:
     step_interval: int = 0  # rebalance after every N engine steps; 0 = never
     window_size: int = 1000  # steps of load the policy sees
     max_rebalances: int | None = None  # None = unlimited
-    num_ep_ranks: int = 1  # simulated EP ranks; slots [r * P / R, (r + 1) * P / R) live on rank r
+    num_ep_ranks: int = 1  # EP ranks (simulated unless expert_parallel); slots [r * P / R, (r + 1) * P / R) on rank r
     num_nodes: int = 1
     num_redundant_experts: int = 0  # physical slots per layer = num_experts + this
     record_trace: str | None = None  # write the per-step logical load to this .npz (research_lm.eplb.trace)
+    # Real EP over the torchrun processes (research_lm.distributed): num_ep_ranks must equal WORLD_SIZE.
+    expert_parallel: bool = False
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None) -> EplbSettings:
@@ -66,11 +68,16 @@ class MoeOptions:
     num_redundant_experts: int
     eplb: EplbSettings
     ep_group: Any = None  # a torch.distributed ProcessGroup: real expert parallelism (research_lm.moe.ep)
+    # True (engine EP, eplb.expert_parallel): every rank brings the same tokens; False: each its own
+    ep_replicated_tokens: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], device: torch.device) -> MoeOptions:
         """extra: `moe_backend` (torch | triton | auto), `eplb` (a conf/eplb dict), `ep_group` (optional)."""
         eplb = EplbSettings.from_dict(extra.get("eplb"))
+        if eplb.expert_parallel and extra.get("ep_group") is None:
+            raise ValueError("eplb.expert_parallel needs a process group in extra['ep_group']: build the model "
+                             "through LLM / LLMEngine, which creates it under torchrun")
         backend = resolve_moe_backend(extra.get("moe_backend", "torch"), device)
         return cls(backend=backend, num_redundant_experts=eplb.num_redundant_experts, eplb=eplb,
-                   ep_group=extra.get("ep_group"))
+                   ep_group=extra.get("ep_group"), ep_replicated_tokens=eplb.expert_parallel)

@@ -1,8 +1,18 @@
-"""Expert parallelism (EP) over torch.distributed: rank r of R holds physical slots [r * P/R, (r + 1) * P/R).
+r"""Expert parallelism (EP) over torch.distributed: rank r of R holds physical slots [r * P/R, (r + 1) * P/R).
 
-Each rank runs attention on its own tokens (data parallel) and calls the MoE layer with them; the
-layer sends every (token, expert) pair to the rank holding the chosen slot and gets the weighted
-expert output back:
+Two ways in, one all-to-all:
+
+  engine EP (`eplb.expert_parallel`, launched with torchrun; research_lm.distributed builds the group):
+      attention replicated, experts sharded; token shards for the all-to-all. Every rank runs the same
+      requests through the same schedule, so every MoE layer sees the same T tokens on every rank and
+      routes them alike. Rank r dispatches only its contiguous shard [r * c, (r + 1) * c), c = ceil(T / R)
+      (the last shards short or empty), then an all-gather of the c-row shard outputs (zero padded)
+      gives every rank all T rows (`dispatch_combine_replicated`). Replicated dense compute keeps the
+      runner untouched; sharding the tokens keeps each token's expert compute done once.
+  layer EP (an `ep_group` without `expert_parallel`, e.g. data-parallel attention in your own script):
+      each rank brings its own tokens and gets their outputs (`dispatch_combine`).
+
+The all-to-all, for the pairs of one rank's tokens:
 
     pairs sorted by destination rank ──all_to_all(counts)──▶ split sizes (one host sync per layer)
     ──all_to_all(rows, local slot ids, weights)──▶ each rank runs its local slots (fused_experts)
@@ -10,13 +20,20 @@ expert output back:
 
 so a rank's outputs equal the single-process layer's for the same tokens. A rebalance moves weights
 point to point (`move_expert_weights`): every rank derives the same transfer plan from the old and new
-maps (all ranks run the policy on the all-reduced load), a slot prefers a source replica on its own
-rank, and sends are snapshots, so a slot can be a source and a destination in the same rebalance.
+maps (all ranks run the policy on the same load: all-reduced in layer EP, rank 0's in engine EP, where
+every rank already counts every token), a slot prefers a source replica on its own rank, and sends are
+snapshots, so a slot can be a source and a destination in the same rebalance.
 
 The process group comes in `ModelBuildContext.extra["ep_group"]` (never a global); `eplb.num_ep_ranks`
-must equal its size. Launch: one process per GPU, e.g.
-    torchrun --nproc-per-node 2 your_script.py   # dist.init_process_group("nccl"); extra={"ep_group": group, ...}
-NCCL needs CUDA tensors; gloo (CPU) runs the same code path in the tests.
+must equal its size. Launch engine EP with one process per GPU (NCCL; gloo on CPU runs the same code):
+
+    torchrun --nproc-per-node 2 -m research_lm model=random-qwen3-moe spec=none baseline=null eplb=deepseek \
+        eplb.num_ep_ranks=2 eplb.num_redundant_experts=2 eplb.expert_parallel=true
+    torchrun --nproc-per-node 2 script.py  # LLM(model, eplb_config={..., "num_ep_ranks": 2, "expert_parallel": True})
+
+tests/moe/test_ep.py checks the layer against the single-process layer (and a rebalance);
+tests/moe/test_engine_ep.py runs the engine on 2 ranks against a single-process run (tokens, placements,
+each rank's slots).
 """
 
 from __future__ import annotations
@@ -66,6 +83,28 @@ def dispatch_combine(
     out = torch.empty_like(back)
     out[order] = back
     return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def dispatch_combine_replicated(
+    hidden: torch.Tensor,  # [T, H] the same tokens on every rank
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_slots: torch.Tensor,  # [T, k] int64 global physical slots
+    w13: torch.Tensor,  # [P/R, 2I, H] this rank's slots
+    w2: torch.Tensor,  # [P/R, H, I]
+    group: dist.ProcessGroup | None,
+    backend: str = "torch",
+) -> torch.Tensor:  # [T, H] on every rank
+    """Engine EP: this rank dispatches its shard of the tokens, then every rank gathers all shards' outputs."""
+    num_tokens, hidden_size = hidden.shape
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    shard = -(-num_tokens // world)  # rows per rank, padded so that every all-gather piece has one size
+    lo, hi = min(rank * shard, num_tokens), min((rank + 1) * shard, num_tokens)
+    mine = dispatch_combine(hidden[lo:hi], topk_weights[lo:hi], topk_slots[lo:hi], w13, w2, group, backend)
+    padded = hidden.new_zeros(shard, hidden_size)
+    padded[: hi - lo] = mine
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat(pieces)[:num_tokens]
 
 
 def transfer_plan(

@@ -16,9 +16,12 @@ happened, the policy places experts from the windowed logical load and every lay
 in place. Windowing and the schedule are `research_lm.eplb.replay`'s, so replaying a recorded trace
 with the same settings reproduces the engine's placements.
 
-With real EP (layers built with an `ep_group`) every rank must call `step()` once per engine step: the
-rebalance all-reduces the windowed load, so all ranks compute the same placement and move weights
-together. Counters, metrics and traces are of this rank's tokens.
+With real EP (layers built with an `ep_group`) every rank must call `step()` once per engine step, and all
+ranks compute the same placement and move weights together. Layer EP (each rank its own tokens): the
+rebalance all-reduces the windowed load; counters, metrics and traces are of this rank's tokens. Engine EP
+(`ep_replicated_tokens`): every rank routes every token, so the counters already hold the whole load and
+the metrics and the trace (written by rank 0) equal a single-process run's; the rebalance takes rank 0's
+window, so that the ranks agree even if their floating point ever differed.
 """
 
 from __future__ import annotations
@@ -139,7 +142,9 @@ class EplbController:
         t0 = time.perf_counter()
         load = self.window.windowed()  # [L, E]
         group = self.layers[0].ep_group
-        if group is not None:  # real EP: every rank places experts from the load of all ranks' tokens
+        if group is not None and self.layers[0].ep_replicated_tokens:  # engine EP: one load for all ranks
+            dist.broadcast(load, group=group, group_src=0)
+        elif group is not None:  # layer EP: every rank places experts from the load of all ranks' tokens
             dist.all_reduce(load, group=group)
         load = load.cpu()  # the one host sync, every step_interval steps
         phy2log, log2phy, logcnt = self.policy(load, self.num_slots, self.num_groups, s.num_nodes, s.num_ep_ranks)
@@ -159,7 +164,9 @@ class EplbController:
         path = path or self.settings.record_trace
         if self.recorder is None or path is None:
             return None
-        self.recorder.save(path, meta=self.meta)
+        first = self.layers[0]
+        if not (first.ep_replicated_tokens and first.ep_rank != 0):  # engine EP: every rank has rank 0's trace
+            self.recorder.save(path, meta=self.meta)
         self._trace_steps_saved = self.num_steps
         return str(path)
 

@@ -35,7 +35,7 @@ from research_lm.eplb import get_policy
 from research_lm.models.base import default_weight_loader, set_weight_loader
 from research_lm.models.layers import GatedMLP, Linear
 from research_lm.moe.config import MoeOptions
-from research_lm.moe.ep import dispatch_combine, move_expert_weights, transfer_plan
+from research_lm.moe.ep import dispatch_combine, dispatch_combine_replicated, move_expert_weights, transfer_plan
 from research_lm.moe.experts import fused_experts
 from research_lm.moe.router import RouterConfig, route
 
@@ -69,7 +69,8 @@ class FusedMoE(nn.Module):
     """Routed experts on physical slots. Parameters use transformers 5's stacked layout over slots:
     gate_up_proj [P, 2I, H] (gate rows, then up rows) and down_proj [P, H, I]; with an expert-parallel
     group of R ranks (`options.ep_group`), only this rank's P / R slots, and forward dispatches pairs to
-    the ranks holding their slots (`research_lm.moe.ep`)."""
+    the ranks holding their slots (`research_lm.moe.ep`): each rank's own tokens, or, with
+    `options.ep_replicated_tokens` (engine EP: the same tokens on every rank), each rank's shard of them."""
 
     cuda_graphs = False  # routing reads expert counts on the host (bincount().tolist()): no capture
 
@@ -89,6 +90,7 @@ class FusedMoE(nn.Module):
         self.ep_group = options.ep_group
         self.ep_size = dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
         self.ep_rank = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
+        self.ep_replicated_tokens = options.ep_replicated_tokens
         if self.ep_group is not None and options.eplb.num_ep_ranks != self.ep_size:
             raise ValueError(f"eplb.num_ep_ranks ({options.eplb.num_ep_ranks}) must equal the expert-parallel "
                              f"group size ({self.ep_size})")
@@ -187,8 +189,9 @@ class FusedMoE(nn.Module):
             flat = slots.flatten()
             self.expert_load.scatter_add_(0, flat, torch.ones_like(flat))
         if self.ep_group is not None:
-            return dispatch_combine(hidden, topk_weights, slots, self.gate_up_proj, self.down_proj, self.ep_group,
-                                    self.backend)
+            ep_forward = dispatch_combine_replicated if self.ep_replicated_tokens else dispatch_combine
+            return ep_forward(hidden, topk_weights, slots, self.gate_up_proj, self.down_proj, self.ep_group,
+                              self.backend)
         return fused_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, slots, self.backend)
 
 

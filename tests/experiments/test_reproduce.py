@@ -20,7 +20,8 @@ def test_reproduce_gives_identical_cpu_outputs(tmp_path):
     assert rep["seeds"] == {"seed": 0, "workload_seed": 0} and rep["deterministic"] is True
     assert "workload.temperature=0.8" in rep["overrides"]
     assert {"commit", "dirty"} <= set(env["git"]) and env["packages"]["torch"] and env["device"] == "cpu"
-    assert "research_lm" in env["command"] and "workload.max_tokens=6" in env["command"]
+    assert env["command"].startswith("python -m research_lm logger=jsonl ")  # as typed, not __main__.py's path
+    assert "workload.max_tokens=6" in env["command"]
     assert results["config"]["workload"]["temperature"] == 0.8  # the resolved config
     assert len(results["workload"]["fingerprint"]) == 16 and results["workload"]["hash"]
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]

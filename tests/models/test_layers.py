@@ -16,6 +16,7 @@ from research_lm.models.layers import (
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
+    apply_rope,
     apply_rotary,
     rope_parameters,
 )
@@ -41,13 +42,17 @@ def test_rotary_embedding_matches_transformers(kind):
     assert ours.attention_scaling == pytest.approx(hf.attention_scaling)
 
     positions = torch.tensor([0, 1, 7, 63, 200, 511])
-    cos, sin = ours(positions)
+    rope = ours(positions)
+    cos, sin = rope.cos, rope.sin
     q = torch.randn(len(positions), 4, 16)
     k = torch.randn(len(positions), 2, 16)
     hf_cos, hf_sin = hf(q, positions[None])
     ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
     torch.testing.assert_close(apply_rotary(q, cos, sin), ref_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(apply_rotary(k, cos, sin), ref_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    ours_q, ours_k = apply_rope(rope, q, k)  # what attention layers call
+    torch.testing.assert_close((ours_q, ours_k), (ref_q[0].transpose(0, 1), ref_k[0].transpose(0, 1)),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_rope_parameters_reads_pre_v5_configs():
@@ -64,7 +69,7 @@ def test_unsupported_rope_type_names_the_supported_ones():
 def test_partial_rotary_leaves_the_tail_unrotated():
     rope = RotaryEmbedding(16, {"rope_theta": 1e4, "partial_rotary_factor": 0.5}, 512)
     x = torch.randn(3, 2, 16)
-    out = apply_rotary(x, *rope(torch.tensor([0, 5, 9])))
+    out, _ = apply_rope(rope(torch.tensor([0, 5, 9])), x)
     assert rope.rotary_dim == 8
     torch.testing.assert_close(out[..., 8:], x[..., 8:], atol=0, rtol=0)
     torch.testing.assert_close(out[0], x[0], atol=0, rtol=0)  # position 0: identity

@@ -17,6 +17,7 @@ from research_lm.request import Request
 from research_lm.sampler import Sampler, SamplingBatch, compute_probs, random_sample
 from research_lm.sampling_params import SamplingParams
 from spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, parse_output, rejection_sample
+from tests.test_sampler import CountOps
 
 CPU = torch.device("cpu")
 
@@ -318,3 +319,21 @@ def test_same_seeds_same_outputs_regardless_of_batch():
     for r in reqs:
         r["seed"] += 1
     assert run(list(range(num_reqs))) != full
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_verify_ops_do_not_grow_with_batch_size(with_draft_probs):
+    """One batched pass: the same torch ops (on CUDA: launches) for 4 requests as for 64."""
+
+    def count(num_reqs: int) -> list[str]:
+        gen = torch.Generator().manual_seed(num_reqs)
+        drafts = [torch.randint(0, 10, (i % 4,), generator=gen).tolist() for i in range(num_reqs)]
+        total = sum(len(d) for d in drafts)
+        target_probs = random_probs(total + num_reqs, 10, gen)
+        draft_probs = random_probs(total, 10, gen) if with_draft_probs else None
+        greedy = torch.arange(num_reqs) % 3 == 0
+        with CountOps() as ops:
+            rejection_sample(drafts, target_probs, draft_probs, greedy, list(range(num_reqs)), [0] * num_reqs)
+        return ops.names
+
+    assert count(4) == count(64)

@@ -1,0 +1,247 @@
+"""One command per committed table in experiments/results/: `python -m experiments.paper <table>`.
+
+    python -m experiments.paper --list                     # the tables, their device and time
+    python -m experiments.paper eplb_policy                # CPU: regenerates experiments/results/eplb_policy.*
+    python -m experiments.paper bench_decode --repeats 5   # GPU tables refuse without CUDA ...
+    python -m experiments.paper bench_decode --allow-cpu   # ... unless asked for a tiny CPU smoke run
+    python -m experiments.paper eplb_policy -- --steps 200 # arguments after `--` go to the benchmark / sweep
+
+Every table measures its whole content `--repeats` times (default 3, at least 3) and reports each cell's
+median with the spread as min–max over the repeats; the JSON beside it keeps every repeat's raw values and
+the device, package versions, git commit and dirty flag, date and command line.
+Two kinds of table (TABLES below):
+- a benchmark script, `experiments/<bench>.py`: its `main(argv)` runs with the table's arguments plus
+  `--repeats N --out DIR --name TABLE` and aggregates the repeats itself (experiments/bench_common.py);
+- a Hydra sweep, `python -m research_lm -m <overrides> +repeat=0,...,N-1` (or `seed=0,...,N-1` for a table
+  whose repeats are seeds, `repeat_key="seed"`), then `research_lm.report` with that repeat key: jobs that
+  differ only in it are repeats of one cell.
+A GPU table refuses to run without CUDA; `--allow-cpu` runs its tiny CPU variant instead (`smoke`
+arguments) and writes `<table>_cpu_smoke.*` under outputs/paper/, never over the committed table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent
+RESULTS = EXPERIMENTS / "results"
+MIN_REPEATS = 3
+
+
+class PaperError(ValueError):
+    """A table that cannot run here (unknown name, no GPU, too few repeats): one line for the user."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """How one committed table is regenerated."""
+
+    what: str  # one line: what the table shows
+    device: str  # "cpu" or "cuda": what the measurement needs
+    measured_on: str  # the device of the committed numbers
+    minutes: str  # approximate wall time at the default 3 repeats, on `measured_on` ("~20 s")
+    bench: str | None = None  # experiments/<bench>.py, called through its main(argv)
+    sweep: tuple[str, ...] = ()  # else: the overrides of `python -m research_lm -m ...`
+    args: tuple[str, ...] = ()  # the benchmark's arguments for this table
+    smoke: tuple[str, ...] | None = None  # --allow-cpu on a machine without CUDA: replaces/extends args
+    repeat_key: str = "repeat"  # sweep: the key whose values are the repeats (`+repeat=0,1,2`; or `seed`)
+    plots: dict[str, str] = field(default_factory=dict)  # sweep: report plot -> file name in results
+    title: str = ""  # sweep: the heading of the markdown table
+    about: str = ""  # sweep: what was run, in prose, above the numbers
+
+
+
+def command(name: str) -> str:
+    return f"python -m experiments.paper {name}"
+
+
+TABLES: dict[str, Table] = {
+    "bench_decode": Table(
+        what="batch-1 decode ms/step of a Llama-3.2-1B shape: research_lm eager / CUDA graphs / compiled vs "
+             "transformers and the weight-streaming floor, with the per-stage profile",
+        device="cuda", measured_on="NVIDIA H200", minutes="~5 min (estimate)", bench="bench_decode",
+        args=("--profile",),
+        smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--steps", "8",
+               "--warmup", "2", "--hf-dynamic-steps", "4", "--skip-hf-static", "--profile-steps", "4"),
+    ),
+    "bench_throughput": Table(
+        what="offline output tok/s on the nano-vllm workload (256 requests), research_lm vs transformers "
+             "static cache vs the roofline",
+        device="cuda", measured_on="NVIDIA H200", minutes="~6 min (estimate: ~100 s per repeat)",
+        bench="bench_throughput",
+        smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--num-requests", "2",
+               "--hf-batch", "2", "--temperatures", "0"),
+    ),
+    "bench_attention": Table(
+        what="paged attention kernels (decode GB/s, prefill TFLOP/s): triton vs FlashInfer (`.[flashinfer]`) vs "
+             "torch_ref vs dense SDPA over batch x context",
+        device="cuda", measured_on="NVIDIA H200", minutes="~8 min (estimate)",
+        bench="bench_attention",
+        smoke=None,  # CUDA graphs and CUDA kernels only: no CPU variant
+    ),
+    "eplb_policy": Table(
+        what="EPLB policies at DeepSeek-V3 scale: compute ms per rebalance, in-sample and replay balancedness",
+        device="cpu", measured_on="CPU (2 cores)", minutes="~25–50 s", bench="bench_eplb_policy",
+    ),
+    "eplb_ablation_cpu": Table(
+        what="eplb_ablation preset: every EPLB policy replayed on a drifting Zipf trace and on a trace recorded "
+             "from a random Qwen3-MoE",
+        device="cpu", measured_on="CPU (2 cores)", minutes="~3 min",
+        sweep=("experiment=eplb_ablation", "logger=none"),
+        plots={"report_eplb.png": "eplb_ablation_cpu.png"},
+        title="eplb_ablation (CPU)",
+        about="Traces: a drifting Zipf synthetic trace, and one recorded from a random-weight Qwen3-MoE "
+              "(`model=random-qwen3-moe`, 16 requests): random routers are nearly uniform, so only the Zipf "
+              "trace separates the policies. Balancedness = mean / max load per EP rank (vLLM's definition), "
+              "time-weighted over the replay; the replays are deterministic, so only the rebalance time "
+              "varies between repeats. Per-step series (medians over repeats) in the JSON; plot beside it.",
+    ),
+    "spec_eagle3_tiny_h200": Table(
+        what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
+        device="cuda", measured_on="NVIDIA H200", minutes="~6 min (estimate: 12 jobs)",
+        sweep=("experiment=eagle3", "device=cuda", "attention=triton", "logger=jsonl", "runner.max_num_seqs=1,8",
+               "spec.num_speculative_tokens=3,5", "workload.num_requests=16", "workload.max_tokens=128"),
+        smoke=("device=cpu", "attention=torch_ref", "logger=none", "workload.num_requests=2",
+               "workload.max_tokens=8"),
+        plots={"report_speedup_vs_spec.num_speculative_tokens.png": "spec_eagle3_tiny_h200_speedup.png"},
+        title="EAGLE-3 on the built-in tiny pair (GPU)",
+        about="The built-in tiny-llama target (0.87M parameters) with its EAGLE-3 head tiny-llama-eagle3, 16 code "
+              "prompts x 128 tokens, greedy; each job also runs the same workload without speculation "
+              "(the baseline rows) in the same process, so speedup = output tok/s ratio.",
+    ),
+}
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve(name: str, *, allow_cpu: bool = False) -> tuple[Table, bool]:
+    """(the table, whether this is a CPU smoke run); PaperError when it cannot run here."""
+    if name not in TABLES:
+        raise PaperError(f"unknown table {name!r}; choose one of: {', '.join(TABLES)}")
+    table = TABLES[name]
+    if table.device != "cuda" or cuda_available():
+        return table, False
+    if not allow_cpu:
+        raise PaperError(f"{name}: needs a CUDA GPU (measured on {table.measured_on}); none found here. Run it on "
+                         "a GPU machine, or add --allow-cpu for a smoke run at tiny sizes on the CPU.")
+    if table.smoke is None:
+        raise PaperError(f"{name}: needs a CUDA GPU (measured on {table.measured_on}) and has no CPU smoke run.")
+    return table, True
+
+
+def run(name: str, *, repeats: int = MIN_REPEATS, out: Path | None = None, allow_cpu: bool = False,
+        extra: tuple[str, ...] = (), sweep_root: Path | None = None) -> Path:
+    """Regenerate table `name`: write <out>/<name>.md and .json (and its plots); return the .md path.
+    `out` defaults to experiments/results (outputs/paper for a CPU smoke run of a GPU table)."""
+    if repeats < MIN_REPEATS:
+        raise PaperError(f"--repeats must be >= {MIN_REPEATS} (each table reports median and spread over repeats)")
+    table, smoke = resolve(name, allow_cpu=allow_cpu)
+    file_name = f"{name}_cpu_smoke" if smoke else name
+    out = Path(out) if out is not None else (Path("outputs/paper") if smoke else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    if table.bench is not None:
+        args = [*table.args, *(table.smoke if smoke else ()), *extra]
+        return run_bench(table.bench, args, repeats=repeats, out=out, file_name=file_name)
+    overrides = merge_overrides(table.sweep, table.smoke if smoke else (), extra)
+    return run_sweep(table, name, overrides, repeats=repeats, out=out, file_name=file_name,
+                     sweep_root=sweep_root or Path("multirun/paper"))
+
+
+def import_bench(module: str) -> Any:
+    """experiments/<module>.py, imported as the scripts see each other (they import `bench_common`)."""
+    if str(EXPERIMENTS) not in sys.path:
+        sys.path.insert(0, str(EXPERIMENTS))
+    return importlib.import_module(module)
+
+
+def run_bench(bench: str, args: list[str], *, repeats: int, out: Path, file_name: str) -> Path:
+    """experiments/<bench>.py's main(argv) (it aggregates its repeats and writes the table itself)."""
+    import_bench(bench).main([*args, "--repeats", str(repeats), "--out", str(out), "--name", file_name])
+    return out / f"{file_name}.md"
+
+
+def merge_overrides(*groups: tuple[str, ...]) -> list[str]:
+    """Hydra overrides, a later `key=value` replacing an earlier one with the same key (Hydra refuses two)."""
+    merged: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            merged[item.partition("=")[0]] = item
+    return list(merged.values())
+
+
+def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, out: Path, file_name: str,
+              sweep_root: Path) -> Path:
+    """The Hydra multirun with +repeat=0..N-1, its report aggregated over `repeat`, then the table."""
+    from research_lm.env_info import command_line
+    from research_lm.report import build_report
+
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    sweep_dir = Path(sweep_root) / file_name / stamp
+    key = "+repeat" if table.repeat_key == "repeat" else table.repeat_key  # `repeat` is not in conf/config.yaml
+    cmd = [sys.executable, "-m", "research_lm", "-m", *overrides, f"{key}={','.join(map(str, range(repeats)))}",
+           f"hydra.sweep.dir={sweep_dir}"]
+    print("+ " + " ".join(["python", *cmd[1:]]), flush=True)
+    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+    if subprocess.run(cmd, env=env).returncode != 0:
+        raise PaperError(f"{name}: the sweep failed (see its output above; its jobs are in {sweep_dir})")
+    report = build_report(sweep_dir, repeat_key=table.repeat_key)
+    data = json.loads((sweep_dir / "report.json").read_text())
+    copied = {}
+    for plot, target in table.plots.items():
+        if (sweep_dir / plot).is_file():
+            target = target.replace(name, file_name, 1)
+            shutil.copyfile(sweep_dir / plot, out / target)
+            copied[plot] = target
+    body = report.read_text().splitlines()[2:]  # without the "# Report: <dir>" heading
+    smoke = file_name != name
+    warning = ["**CPU smoke run (`--allow-cpu`): tiny sizes on a CPU, the numbers mean nothing.**", ""] if smoke else []
+    lines = [f"# {table.title or name}", "", *warning, table.about, "",
+             f"Regenerate: `{command(name)}` (needs {'a CUDA GPU' if table.device == 'cuda' else 'a CPU'}; "
+             f"{table.minutes} at 3 repeats). It runs the sweep below ({repeats} repeats of every cell, `{key}`) "
+             f"and `python -m research_lm.report {_rel(sweep_dir)} --repeat-key {table.repeat_key}`.", ""]
+    for line in body:
+        if line.startswith("!["):  # a plot: keep the ones copied beside the table
+            plot = line[line.index("(") + 1 : -1]
+            if plot not in copied:
+                continue
+            line = line.replace(f"({plot})", f"({copied[plot]})")
+        lines.append(line)
+    md = out / f"{file_name}.md"
+    md.write_text("\n".join(lines).rstrip() + "\n")
+    payload: dict[str, Any] = {"table": name, "command": command_line(),
+                               "sweep_command": " ".join(["python", *cmd[1:]]), "sweep_dir": _rel(sweep_dir),
+                               "device_needed": table.device,
+                               "measured_on": table.measured_on, "spread": "min-max over repeats",
+                               "env": data.get("env"), "report": data}
+    (out / f"{file_name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    print(md.read_text())
+    return md
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def listing() -> str:
+    """The registry as a markdown table (what experiments/paper/README.md shows)."""
+    lines = ["| table | command | device needed | approx. time (3 repeats) | what |", "| --- | --- | --- | --- | --- |"]
+    for name, t in TABLES.items():
+        device = f"CUDA GPU (measured on {t.measured_on})" if t.device == "cuda" else t.measured_on
+        lines.append(f"| `{name}` | `{command(name)}` | {device} | {t.minutes} | {t.what} |")
+    return "\n".join(lines)

@@ -1,0 +1,40 @@
+"""`python -m experiments.paper <table> [--repeats N] [--allow-cpu] [--out DIR] [-- benchmark/sweep args]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from experiments.paper import MIN_REPEATS, TABLES, PaperError, listing, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.paper", description=(
+        "Regenerate a committed table of experiments/results/: median and spread (min–max) over repeats."))
+    ap.add_argument("table", nargs="?", help=f"one of: {', '.join(TABLES)}; after `--`: more arguments for its "
+                                             "benchmark, or Hydra overrides for its sweep")
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"repeats of the whole table (>= {MIN_REPEATS})")
+    ap.add_argument("--out", type=Path, default=None, help="where the table goes (default experiments/results)")
+    ap.add_argument("--allow-cpu", action="store_true", help="a GPU table without CUDA: a tiny CPU smoke run instead")
+    ap.add_argument("--sweep-dir", type=Path, default=None, help="where sweep tables run (default multirun/paper)")
+    ap.add_argument("--list", action="store_true", help="print the tables, their commands and devices")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    rest = tuple(argv[cut + 1 :])
+    if args.list or not args.table:
+        print(listing())
+        return 0
+    try:
+        md = run(args.table, repeats=args.repeats, out=args.out, allow_cpu=args.allow_cpu, extra=rest,
+                 sweep_root=args.sweep_dir)
+    except PaperError as e:
+        print(f"experiments.paper: error: {e}", file=sys.stderr)
+        return 2
+    print(f"table: {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The torch references of the fused ops: the numbers each kernel must reproduce, and the path models
+take on CPU, under torch.compile, and with fused ops off. Plain torch, no Triton import."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., hidden], x's dtype
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """weight * x / rms(x), or with a residual (norm(x + residual), x + residual): the new residual stream.
+
+    transformers' LlamaRMSNorm: statistics in fp32, the normalized x rounded to x's dtype, then times weight."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = weight * x32.to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,  # [num_tokens] int64
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] fp32
+    attention_scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, rotary_dim // 2] fp32, scaled
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+
+
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    cos: torch.Tensor,  # [num_tokens, rotary_dim // 2] fp32
+    sin: torch.Tensor,  # [num_tokens, rotary_dim // 2] fp32
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size], x's dtype
+    """Rotate pairs (x[i], x[i + rotary_dim/2]) by position * inv_freq[i]; dims past rotary_dim pass through."""
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def rotary_ref(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    k: torch.Tensor | None,  # [num_tokens, num_k_heads, head_size]
+    positions: torch.Tensor,  # [num_tokens] int64
+    inv_freq: torch.Tensor,  # [rotary_dim // 2] fp32
+    attention_scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cos, sin = rope_cos_sin(positions, inv_freq, attention_scaling)
+    return apply_rotary(q, cos, sin), None if k is None else apply_rotary(k, cos, sin)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * I] -> [..., I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

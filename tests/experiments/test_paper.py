@@ -1,0 +1,138 @@
+"""experiments/paper: one command per committed table, median and spread over repeats, GPU tables refuse on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import experiments.paper as paper
+from research_lm.report import Cell, aggregate_records, build_report, collect, fmt_spread, group_repeats, swept_keys
+
+from .conftest import REPO, run_module
+
+bench_common = paper.import_bench("bench_common")
+aggregate, cell = bench_common.aggregate, bench_common.cell
+
+PROSE = {"PERFORMANCE"}  # committed markdown that is an essay, not a table
+
+
+def test_every_committed_table_has_a_paper_command():
+    tables = {p.stem for p in (REPO / "experiments" / "results").glob("*.md")} - PROSE
+    assert tables, "no committed tables found"
+    assert sorted(tables - set(paper.TABLES)) == [], "a committed table without a paper command"
+    listing = paper.listing()
+    for name, table in paper.TABLES.items():
+        assert table.device in ("cpu", "cuda") and table.measured_on and table.minutes
+        assert (table.bench is None) != (not table.sweep), f"{name}: a benchmark or a sweep, not both"
+        if table.bench:
+            assert (REPO / "experiments" / f"{table.bench}.py").is_file()
+        assert f"`python -m experiments.paper {name}`" in listing
+    readme = (REPO / "experiments" / "paper" / "README.md").read_text()
+    assert listing in readme, "experiments/paper/README.md's table is `python -m experiments.paper --list`"
+
+
+def test_median_and_min_max_spread_of_fabricated_repeats():
+    repeats = [
+        [{"variant": "a", "ms": 3.0, "steps": 7, "note": "x", "stages_ms": {"fwd": 1.0}},
+         {"variant": "b", "ms": 10.0}],
+        [{"variant": "b", "ms": 30.0}, {"variant": "a", "ms": 1.0, "steps": 7, "note": "y", "stages_ms": {"fwd": 3.0}}],
+        [{"variant": "a", "ms": 2.0, "steps": 7, "stages_ms": {"fwd": 2.0}}, {"variant": "b", "error": "OOM"}],
+    ]  # fmt: skip
+    a, b = aggregate_records(repeats, ("variant",))
+    assert a["variant"] == "a" and a["ms"] == 2.0 and a["spread"]["ms"] == [1.0, 3.0]
+    assert a["repeats"]["ms"] == [3.0, 1.0, 2.0] and a["num_repeats"] == 3
+    assert a["steps"] == 7 and a["spread"]["steps"] == [7, 7] and a["note"] == "x"  # first repeat's text
+    assert a["stages_ms"] == {"fwd": 2.0} and a["spread"]["stages_ms.fwd"] == [1.0, 3.0]
+    assert b["ms"] == 20.0 and b["spread"]["ms"] == [10.0, 30.0]  # even count: mean of the middle two
+    assert b["num_repeats"] == 2 and b["errors"] == ["OOM"]  # the failed repeat is not a value
+
+    assert fmt_spread(2.0, [1.0, 3.0], ".1f") == "2.0 (1.0–3.0)"
+    assert fmt_spread(0.9021, [0.90205, 0.90214], ".3f") == "0.902"  # equal at the shown precision: no spread
+    assert cell(a, "ms", ".0f", lambda v: 1e3 / v) == "500 (333–1000)"  # a derived column keeps min <= max
+
+
+def test_bench_payloads_aggregate_rows_and_top_level_ceilings():
+    payloads = [{"env": {"device": "X"}, "copy_tb_s": bw, "rows": [{"policy": "lpt", "ms_median": ms}]}
+                for bw, ms in ((4.0, 9.0), (4.2, 8.0), (4.1, 7.0))]
+    out = aggregate(payloads, ("policy",))
+    assert out["copy_tb_s"] == 4.1 and out["spread"]["copy_tb_s"] == [4.0, 4.2] and out["num_repeats"] == 3
+    assert out["rows"][0]["ms_median"] == 8.0 and len(out["repeats_raw"]) == 3
+    assert "env" not in out["repeats_raw"][0] and out["env"] == {"device": "X"}
+
+
+def _job(root, name, repeat, ms, balance, seed=0, spec="ngram"):
+    job = root / name
+    job.mkdir(parents=True)
+    (job / "results.json").write_text(json.dumps({
+        "summary": {"output_throughput_tok_s": ms, "speedup": balance},
+        "config": {"task": "generate", "seed": seed},
+        "reproducibility": {"overrides": [f"spec={spec}", f"+repeat={repeat}", f"seed={seed}"]},
+        "baseline": {"summary": {"output_throughput_tok_s": 2 * ms}, "overrides": {"spec": "none"}},
+    }))
+
+
+def test_report_groups_jobs_that_differ_only_in_the_repeat_key(tmp_path):
+    for i, (spec, r, v) in enumerate([("ngram", 0, 10.0), ("ngram", 1, 30.0), ("ngram", 2, 20.0),
+                                      ("eagle3", 0, 5.0), ("eagle3", 1, 5.0), ("eagle3", 2, 6.0)]):
+        _job(tmp_path, str(i), r, v, 1.5, spec=spec)
+    jobs = collect(tmp_path)
+    cells, keys = group_repeats(jobs, swept_keys(jobs))
+    assert keys == ["spec"] and [len(c.jobs) for c in cells] == [3, 3] and all(isinstance(c, Cell) for c in cells)
+    assert cells[0].summary["output_throughput_tok_s"] == 20.0
+    assert cells[0].spread["output_throughput_tok_s"] == [10, 30]
+    assert cells[0].results["baseline"]["summary"]["output_throughput_tok_s"] == 40.0
+    text = build_report(tmp_path, plots=False).read_text()
+    assert "| jobs | `spec` |" in text and "| 0,1,2 | ngram | 20 (10–30) | 1.5 |" in text
+    assert "| 0,1,2 baseline (spec=none) |  | 40 (20–60) |" in text and "| 3,4,5 | eagle3 | 5 (5–6) |" in text
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["repeat_key"] == "repeat" and data["cells"][1]["repeats"]["output_throughput_tok_s"] == [5, 5, 6]
+
+    # a seed sweep: the same jobs, grouped by seed instead (here every job has seed 0: nothing to group)
+    assert group_repeats(jobs, swept_keys(jobs), repeat_key="seed")[0] is jobs
+
+
+def test_gpu_tables_refuse_on_a_cpu_with_a_clear_message(monkeypatch, capsys):
+    from experiments.paper.__main__ import main
+
+    monkeypatch.setattr(paper, "cuda_available", lambda: False)
+    gpu = [name for name, t in paper.TABLES.items() if t.device == "cuda"]
+    assert {"bench_decode", "bench_throughput", "bench_attention", "spec_eagle3_tiny_h200"} <= set(gpu)
+    for name in gpu:
+        with pytest.raises(paper.PaperError, match=rf"^{name}: needs a CUDA GPU \(measured on .*H200"):
+            paper.run(name)
+    assert main(["bench_decode"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU (measured on NVIDIA H200)" in err and "--allow-cpu" in err
+    with pytest.raises(paper.PaperError, match="no CPU smoke run"):
+        paper.resolve("bench_attention", allow_cpu=True)
+    assert paper.resolve("bench_decode", allow_cpu=True)[1] is True  # the smoke variant
+    with pytest.raises(paper.PaperError, match="repeats must be >= 3"):
+        paper.run("eplb_policy", repeats=2)
+    with pytest.raises(paper.PaperError, match="unknown table 'nope'; choose one of: bench_decode"):
+        paper.run("nope")
+
+
+def test_later_overrides_replace_earlier_ones():
+    assert paper.merge_overrides(("device=cuda", "logger=jsonl"), ("device=cpu",), ("x.y=1",)) == [
+        "device=cpu", "logger=jsonl", "x.y=1"]
+
+
+def test_a_cpu_table_regenerates_end_to_end_at_a_tiny_size(tmp_path):
+    """eplb_ablation_cpu: the Hydra sweep x 3 repeats, the report over repeats, the table, JSON and plot."""
+    proc = run_module("experiments.paper", "eplb_ablation_cpu", "--out", str(tmp_path / "results"),
+                      "--sweep-dir", str(tmp_path / "multirun"), "--", "eplb_replay.record_model=null",
+                      "eplb_replay.synthetic.num_steps=30", "eplb_replay.policies=[none,lpt]", cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    md = (tmp_path / "results" / "eplb_ablation_cpu.md").read_text()
+    assert "`python -m experiments.paper eplb_ablation_cpu`" in md and "1 cell(s) x 3 repeat(s)" in md
+    assert "+repeat=0,1,2" in md and "min–max" in md and "| zipf | lpt |" in md
+    data = json.loads((tmp_path / "results" / "eplb_ablation_cpu.json").read_text())
+    assert data["command"].startswith("python -m experiments.paper eplb_ablation_cpu")
+    env = data["env"]
+    assert env["device"] == "cpu" and env["packages"]["torch"] and {"commit", "dirty"} <= set(env["git"])
+    assert env["date"] and env["command"].startswith("python -m research_lm -m experiment=eplb_ablation")
+    rows = data["report"]["cells"][0]["rows"]
+    assert [r["policy"] for r in rows] == ["none", "lpt"] and all(len(r["repeats"]["rebalance_ms_median"]) == 3
+                                                                   for r in rows)
+    assert (tmp_path / "results" / "eplb_ablation_cpu.png").read_bytes()[:4] == b"\x89PNG"
