@@ -18,6 +18,7 @@ _BACKEND_MODULES: dict[str, str] = {
     "mamba_triton": "attention_zoo.mamba_triton",
     "mla_torch_ref": "attention_zoo.mla",
     "mla_triton": "attention_zoo.mla_triton",
+    "mla_flashinfer": "attention_zoo.flashinfer_mla",
 }
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 

@@ -108,7 +108,8 @@ def environment(device: torch.device) -> dict[str, Any]:
 
     info = env(device)
     git = info["git"]
-    if not re.fullmatch(r"[0-9a-f]{40}", str(git["commit"])):  # a copy of the tree without usable git metadata
+    if os.environ.get("BENCH_COMMIT") or not re.fullmatch(r"[0-9a-f]{40}", str(git["commit"])):
+        # a copy of the tree without usable (or with stale) git metadata: the caller says what it is
         git = {"commit": os.environ.get("BENCH_COMMIT"), "dirty": os.environ.get("BENCH_DIRTY") == "1"}
     return {
         "device": info["device_name"], "date": info["date"], "commit": git["commit"],

@@ -9,18 +9,19 @@ SWEEP=$1
 mkdir -p $SWEEP
 run() {  # name, overrides...
   local name=$1; shift
-  python -m research_lm -m device=cuda logger=jsonl seed=0,1,2 "$@" hydra.sweep.dir=$SWEEP/$name \
+  python -m research_lm -m device=cuda logger=jsonl seed=0,1,2 "$@" model.random.cache_dir=/tmp/rl_random \
+    model.random.seed=0 hydra.sweep.dir=$SWEEP/$name \
     > $SWEEP/$name.log 2>&1 || echo "sweep $name failed: see $SWEEP/$name.log"
 }
+for preset in mla sliding_window mamba; do
+  backend=$([ $preset = mamba ] && echo "attention=triton +attention.mamba_backend=mamba_triton" || echo "attention=triton")
+  run $preset experiment=$preset $backend workload.num_requests=64 workload.prompt_chars=16000 \
+    workload.max_tokens=256 runner.max_num_seqs=64 runner.num_gpu_blocks=8000
+done
 for batch in 1 16 64 256; do
   nreq=$(( batch < 4 ? 4 : 2 * batch )); nreq=$(( nreq > 256 ? 256 : nreq ))
   run attention_ablation-b$batch experiment=attention_ablation model=random-llama-1b \
     attention=torch_ref,triton,flashinfer workload=synthetic workload.num_requests=$nreq \
     'workload.input_len=[512,512]' 'workload.output_len=[128,128]' runner.max_num_seqs=$batch \
     runner.num_gpu_blocks=12000 runner.max_num_batched_tokens=8192
-done
-for preset in mla sliding_window mamba; do
-  backend=$([ $preset = mamba ] && echo "attention=triton +attention.mamba_backend=mamba_triton" || echo "attention=triton")
-  run $preset experiment=$preset $backend workload.num_requests=64 workload.prompt_chars=16000 \
-    workload.max_tokens=256 runner.max_num_seqs=64 runner.num_gpu_blocks=8000
 done

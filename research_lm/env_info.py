@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import shlex
 import subprocess
@@ -23,6 +24,10 @@ def _version(pkg: str) -> str | None:
 
 
 def git_state(repo: Path | None = None) -> dict[str, object]:
+    """HEAD and the dirty flag of the checkout; RESEARCH_LM_COMMIT (+ RESEARCH_LM_DIRTY=1) override them for
+    copies of the tree that carry no (or stale) git metadata, such as a benchmark machine's."""
+    if os.environ.get("RESEARCH_LM_COMMIT"):
+        return {"commit": os.environ["RESEARCH_LM_COMMIT"], "dirty": os.environ.get("RESEARCH_LM_DIRTY") == "1"}
     repo = repo or Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,

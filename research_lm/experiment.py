@@ -264,16 +264,21 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
 
 def prepare_model(cfg: DictConfig, run_dir: Path) -> Path | None:
     """A `model.random` block (conf/model/random-*.yaml): build that seeded random checkpoint into
-    <run_dir>/model and return its directory; otherwise None (model.name is loaded as it is)."""
+    <run_dir>/model, or, with `model.random.cache_dir`, into <cache_dir>/<architecture>-<recipe hash> where
+    every job of a sweep with the same recipe reuses it; return its directory. Otherwise None (model.name
+    is loaded as it is)."""
     spec = cfg.model.get("random")
     if not spec:
         return None
-    from research_lm.random_checkpoints import build_random_checkpoint
+    from research_lm.random_checkpoints import build_random_checkpoint, recipe_hash
 
     spec = OmegaConf.to_container(spec, resolve=True)
-    return build_random_checkpoint(run_dir / "model", spec["architecture"], spec.get("config") or {},
-                                   seed=int(spec.get("seed", cfg.seed)), tokenizer=spec.get("tokenizer", "tiny-llama"),
-                                   dtype=spec.get("dtype", "float32"))
+    arch, config, dtype = spec["architecture"], spec.get("config") or {}, spec.get("dtype", "float32")
+    seed, tokenizer = int(spec.get("seed", cfg.seed)), spec.get("tokenizer", "tiny-llama")
+    out = run_dir / "model"
+    if spec.get("cache_dir"):
+        out = Path(spec["cache_dir"]) / f"{arch}-{recipe_hash(arch, {**config, '__dtype__': dtype}, seed, tokenizer)}"
+    return build_random_checkpoint(out, arch, config, seed=seed, tokenizer=tokenizer, dtype=dtype)
 
 
 def _random_recipe(model_dir: Path | None) -> dict[str, Any] | None:
