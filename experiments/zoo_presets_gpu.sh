@@ -15,8 +15,8 @@ run() {  # name, overrides...
 }
 for preset in mla sliding_window mamba; do
   backend=$([ $preset = mamba ] && echo "attention=triton +attention.mamba_backend=mamba_triton" || echo "attention=triton")
-  run $preset experiment=$preset $backend workload.num_requests=64 workload.prompt_chars=16000 \
-    workload.max_tokens=256 runner.max_num_seqs=64 runner.num_gpu_blocks=8000
+  run $preset experiment=$preset $backend workload.num_requests=64 workload.prompt_chars=8000 \
+    workload.max_tokens=256 runner.max_num_seqs=64 runner.num_gpu_blocks=16000
 done
 for batch in 1 16 64 256; do
   nreq=$(( batch < 4 ? 4 : 2 * batch )); nreq=$(( nreq > 256 ? 256 : nreq ))
