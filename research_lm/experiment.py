@@ -8,7 +8,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +199,9 @@ def with_spec_head(cfg: DictConfig, run_dir: Path) -> DictConfig:
     return cfg
 
 
+WARMUP_MAX_TOKENS = 16  # warm-up requests are cut to this many output tokens
+
+
 def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
     """Build the engine and the workload of `cfg`, serve it once (after `warmup_requests` discarded
     requests) and return the summary, the outputs and what identifies the model and the requests."""
@@ -212,9 +215,10 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
     w = OmegaConf.to_container(cfg.workload, resolve=True)
     w = {k: tuple(v) if isinstance(v, list) else v for k, v in w.items()}
     workload = build_workload(WorkloadSpec(**w), engine.info.vocab_size)
-    if cfg.warmup_requests:
+    if cfg.warmup_requests:  # compiles the kernels' batched shapes too: n requests at once, short outputs
         n = cfg.warmup_requests
-        llm.generate(workload.prompts[:n], workload.params[:n], use_tqdm=False)
+        params = [replace(p, max_tokens=min(p.max_tokens, WARMUP_MAX_TOKENS)) for p in workload.params[:n]]
+        llm.generate(workload.prompts[:n], params, use_tqdm=False)
     engine.metrics.reset()
     outputs = serve(engine, workload.prompts, workload.params, workload.arrival_times,
                     clock=engine.ep.clock if engine.ep is not None else time.perf_counter,  # EP: rank 0's

@@ -40,8 +40,8 @@ import yaml
 GENERATE_METRICS = (
     "output_throughput_tok_s", "ttft_ms_p50", "tpot_ms_mean", "decode_step_ms_median", "kv_bytes_per_token",
     "kv_bytes_used_max", "state_bytes_per_request", "num_preemptions", "mean_acceptance_length",
-    "draft_acceptance_rate", "speedup", "tpot_ratio", "kv_bytes_per_token_ratio", "outputs_match_baseline",
-    "offered_request_rate",
+    "draft_acceptance_rate", "speedup", "tpot_ratio", "decode_step_ratio", "kv_bytes_per_token_ratio",
+    "kv_bytes_used_ratio", "outputs_match_baseline", "offered_request_rate",
 )
 # Plotted against numeric swept keys (when present).
 PLOT_METRICS = ("output_throughput_tok_s", "tpot_ms_mean", "mean_acceptance_length", "speedup")

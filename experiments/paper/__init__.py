@@ -51,6 +51,7 @@ class Table:
     minutes: str  # approximate wall time at the default 3 repeats, on `measured_on` ("~20 s")
     bench: str | None = None  # experiments/<bench>.py, called through its main(argv)
     sweep: tuple[str, ...] = ()  # else: the overrides of `python -m research_lm -m ...`
+    parts: tuple[tuple[str, ...], ...] = ()  # sweep: more overrides, one multirun per part (e.g. per batch size)
     args: tuple[str, ...] = ()  # the benchmark's arguments for this table
     smoke: tuple[str, ...] | None = None  # --allow-cpu on a machine without CUDA: replaces/extends args
     repeat_key: str = "repeat"  # sweep: the key whose values are the repeats (`+repeat=0,1,2`; or `seed`)
@@ -58,6 +59,15 @@ class Table:
     title: str = ""  # sweep: the heading of the markdown table
     about: str = ""  # sweep: what was run, in prose, above the numbers
 
+
+
+# The attention-zoo tables: random weights built once per recipe (outputs/random), the model's seed fixed
+# while `seed` (the repeats) varies the workload; experiments/zoo_presets_gpu.sh runs the same sweeps.
+_ZOO = ("device=cuda", "logger=jsonl", "model.random.cache_dir=outputs/random", "model.random.seed=0")
+_ZOO_LOAD = ("workload.num_requests=64", "workload.prompt_chars=8000", "workload.max_tokens=256",
+             "runner.max_num_seqs=64", "runner.num_gpu_blocks=16000", "warmup_requests=64")
+_ZOO_SMOKE = ("device=cpu", "attention=torch_ref", "logger=none", "workload.num_requests=2", "workload.max_tokens=4",
+              "workload.prompt_chars=300", "runner.max_num_seqs=2", "runner.num_gpu_blocks=256")
 
 
 def command(name: str) -> str:
@@ -104,6 +114,59 @@ TABLES: dict[str, Table] = {
               "trace separates the policies. Balancedness = mean / max load per EP rank (vLLM's definition), "
               "time-weighted over the replay; the replays are deterministic, so only the rebalance time "
               "varies between repeats. Per-step series (medians over repeats) in the JSON; plot beside it.",
+    ),
+    "attention_ablation_h200": Table(
+        what="attention_ablation preset at GPU size: one model (Llama-3.2-1B shape, random bf16), every attention "
+             "backend x batch 1/16/64/256: end-to-end throughput, latency and KV memory",
+        device="cuda", measured_on="NVIDIA H200", minutes="~15 min (torch_ref at batch 64/256 dominates)",
+        sweep=(*_ZOO, "experiment=attention_ablation", "model=random-llama-1b", "attention=torch_ref,triton,flashinfer",
+               "workload=synthetic", "workload.input_len=[512,512]", "workload.output_len=[128,128]",
+               "runner.num_gpu_blocks=12000", "runner.max_num_batched_tokens=8192"),
+        parts=tuple((f"runner.max_num_seqs={b}", f"workload.num_requests={n}", f"warmup_requests={b}")
+                    for b, n in ((1, 4), (16, 32), (64, 128), (256, 256))),
+        repeat_key="seed",
+        plots={"report_output_throughput_tok_s_vs_runner.max_num_seqs.png": "attention_ablation_h200_throughput.png",
+               "report_tpot_ms_mean_vs_runner.max_num_seqs.png": "attention_ablation_h200_tpot.png"},
+        title="attention_ablation on an H200: every backend on one model, end to end",
+        about="Llama-3.2-1B shape with random bf16 weights (built once per recipe), synthetic prompts of 512 "
+              "tokens and 128 output tokens (ignore_eos), max_num_seqs = the batch, 4 / 2 x batch requests, eager "
+              "runner (CUDA graphs off for every backend: FlashInfer's path is not captured), 3 seeds per cell. The "
+              "eager runner is host-bound at this size (bench_decode: 8.7 ms/step eager vs 1.6 ms with graphs), so "
+              "the kernels' differences (bench_attention) show only from batch 64 on; torch_ref gathers pages in "
+              "Python (the oracle).",
+    ),
+    "mla_h200": Table(
+        what="mla preset at GPU size: KV bytes per token and decode speed of DeepSeek-V2 MLA (latent cache) vs a "
+             "same-size dense GQA Llama",
+        device="cuda", measured_on="NVIDIA H200", minutes="~2 min",
+        sweep=(*_ZOO, "experiment=mla", "attention=triton", *_ZOO_LOAD), repeat_key="seed",
+        smoke=_ZOO_SMOKE, title="MLA vs dense GQA (H200)",
+        about="Random DeepSeek-V2 (MLA: latent 64 + rope 16 = 80 cached values per token per layer, mla_triton "
+              "absorbed decode, reference prefill) against random-llama of the same width and depth (2 KV heads of "
+              "32: 128 values) in the same process: 64 code prompts of ~8000 characters, 256 output tokens, batch 64, "
+              "3 seeds. Read kv_bytes_per_token_ratio (memory) and tpot_ratio / decode_step_ratio (speed).",
+    ),
+    "sliding_window_h200": Table(
+        what="sliding_window preset at GPU size: KV memory in use and decode speed of a Mistral-style window (64) "
+             "vs the same model without it",
+        device="cuda", measured_on="NVIDIA H200", minutes="~2 min",
+        sweep=(*_ZOO, "experiment=sliding_window", "attention=triton", *_ZOO_LOAD), repeat_key="seed",
+        smoke=_ZOO_SMOKE, title="Sliding window vs full attention (H200)",
+        about="Random Mistral (window 64 on every layer; blocks wholly outside the window go back to the pool) against "
+              "random-llama with the same weights and no window, same process and workload: 64 code prompts of ~8000 "
+              "characters, 256 output tokens, batch 64, Triton backend, 3 seeds. Read kv_bytes_used_ratio (memory in "
+              "use at the busiest step) and tpot_ratio.",
+    ),
+    "mamba_h200": Table(
+        what="mamba preset at GPU size: state bytes per request and decode speed of Mamba2 (mamba_triton) vs a "
+             "same-size dense GQA Llama",
+        device="cuda", measured_on="NVIDIA H200", minutes="~2 min",
+        sweep=(*_ZOO, "experiment=mamba", "attention=triton", "+attention.mamba_backend=mamba_triton", *_ZOO_LOAD),
+        repeat_key="seed", title="Mamba2 vs dense GQA (H200)",
+        about="Random Mamba2 (hidden 256, 4 layers, 16 heads of 32, state 64; conv + SSM state slots per request, "
+              "mamba_triton kernels) against random-llama (hidden 256, 4 layers) in the same process: 64 code prompts "
+              "of ~8000 characters, 256 output tokens, batch 64, prefix caching off for both, 3 seeds. Read "
+              "kv_bytes_per_token (0 for Mamba), state_bytes_per_request, kv_bytes_used_ratio and tpot_ratio.",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
@@ -184,19 +247,32 @@ def merge_overrides(*groups: tuple[str, ...]) -> list[str]:
 
 def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, out: Path, file_name: str,
               sweep_root: Path) -> Path:
-    """The Hydra multirun with +repeat=0..N-1, its report aggregated over `repeat`, then the table."""
-    from research_lm.env_info import command_line
-    from research_lm.report import build_report
-
+    """The Hydra multirun with +repeat=0..N-1 (one per part), its report aggregated over the repeats, the table."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     sweep_dir = Path(sweep_root) / file_name / stamp
     key = "+repeat" if table.repeat_key == "repeat" else table.repeat_key  # `repeat` is not in conf/config.yaml
-    cmd = [sys.executable, "-m", "research_lm", "-m", *overrides, f"{key}={','.join(map(str, range(repeats)))}",
-           f"hydra.sweep.dir={sweep_dir}"]
-    print("+ " + " ".join(["python", *cmd[1:]]), flush=True)
-    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
-    if subprocess.run(cmd, env=env).returncode != 0:
-        raise PaperError(f"{name}: the sweep failed (see its output above; its jobs are in {sweep_dir})")
+    commands = []
+    for i, part in enumerate(table.parts or ((),)):
+        part_dir = sweep_dir / f"part{i}" if table.parts else sweep_dir
+        cmd = [sys.executable, "-m", "research_lm", "-m", *merge_overrides(tuple(overrides), part),
+               f"{key}={','.join(map(str, range(repeats)))}", f"hydra.sweep.dir={part_dir}"]
+        commands.append(" ".join(["python", *cmd[1:]]))
+        print("+ " + commands[-1], flush=True)
+        env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+        if subprocess.run(cmd, env=env).returncode != 0:
+            raise PaperError(f"{name}: the sweep failed (see its output above; its jobs are in {part_dir})")
+    return write_sweep_table(table, name, sweep_dir, out=out, file_name=file_name, repeats=repeats,
+                             sweep_commands=commands)
+
+
+def write_sweep_table(table: Table, name: str, sweep_dir: Path, *, out: Path, file_name: str, repeats: int,
+                      sweep_commands: list[str], note: str = "") -> Path:
+    """The report of every job under `sweep_dir` (grouped over the repeat key) as <out>/<file_name>.md + .json,
+    with the table's plots copied beside it. `note`: a sentence about how this copy was measured."""
+    from research_lm.env_info import command_line
+    from research_lm.report import build_report
+
+    key = "+repeat" if table.repeat_key == "repeat" else table.repeat_key
     report = build_report(sweep_dir, repeat_key=table.repeat_key)
     data = json.loads((sweep_dir / "report.json").read_text())
     copied = {}
@@ -210,9 +286,13 @@ def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, ou
     warning = ["**CPU smoke run (`--allow-cpu`): tiny sizes on a CPU, the numbers mean nothing.**", ""] if smoke else []
     lines = [f"# {table.title or name}", "", *warning, table.about, "",
              f"Regenerate: `{command(name)}` (needs {'a CUDA GPU' if table.device == 'cuda' else 'a CPU'}; "
-             f"{table.minutes} at 3 repeats). It runs the sweep below ({repeats} repeats of every cell, `{key}`) "
+             f"{table.minutes} at 3 repeats). It runs the sweep(s) below ({repeats} repeats of every cell, `{key}`) "
              f"and `python -m research_lm.report {_rel(sweep_dir)} --repeat-key {table.repeat_key}`.", ""]
+    if note:
+        lines += [note, ""]
     for line in body:
+        if line == "Plots:" and not copied:
+            continue
         if line.startswith("!["):  # a plot: keep the ones copied beside the table
             plot = line[line.index("(") + 1 : -1]
             if plot not in copied:
@@ -222,8 +302,8 @@ def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, ou
     md = out / f"{file_name}.md"
     md.write_text("\n".join(lines).rstrip() + "\n")
     payload: dict[str, Any] = {"table": name, "command": command_line(),
-                               "sweep_command": " ".join(["python", *cmd[1:]]), "sweep_dir": _rel(sweep_dir),
-                               "device_needed": table.device,
+                               "sweep_command": sweep_commands[0] if len(sweep_commands) == 1 else sweep_commands,
+                               "sweep_dir": _rel(sweep_dir), "device_needed": table.device, "note": note or None,
                                "measured_on": table.measured_on, "spread": "min-max over repeats",
                                "env": data.get("env"), "report": data}
     (out / f"{file_name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
