@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 # Summary keys that measure time (or derive from it) and so differ between runs.
-_TIMED = re.compile(r"(_s$|_ms|time|throughput|elapsed|speedup|ratio|gb_s|tok_s|wall|rate_s$|^eplb_.*ms)")
+_TIMED = re.compile(r"(_s$|_ms|time|throughput|elapsed|speedup|ratio|fraction|gb_s|tok_s|wall|rate_s$|^eplb_.*ms)")
 
 
 def load_recorded(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:

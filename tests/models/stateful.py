@@ -41,8 +41,9 @@ def hf_greedy(hf: nn.Module, prompts: list[list[int]], max_tokens: int) -> list[
 def engine_greedy_matches_transformers(path, hf: nn.Module, max_tokens: int = 10, **knobs: Any) -> LLM:
     """Greedy through `LLM` under chunked prefill (16 tokens a step) and preemption (20 blocks of 4 for
     8 requests of up to 49 tokens) equals transformers.generate, token for token."""
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
-              num_gpu_blocks=20, enable_prefix_caching=False, max_model_len=64, **knobs)
+    knobs = {"dtype": "float32", "device": "cpu", "block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8,
+             "num_gpu_blocks": 20, "max_model_len": 64, "enable_prefix_caching": False, **knobs}
+    llm = LLM(str(path), **knobs)
     prompts = shared_prefix_prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
