@@ -1,8 +1,22 @@
 """CUDA graphs for pure-decode steps: one graph per padded batch size, replayed over the step buffers.
 
 A decode step of n requests runs the graph captured for the smallest size B >= n; prefill, mixed and
-verification steps, and batches larger than the largest size, run eagerly. Only the model forward
-is captured (logits and sampling stay eager, as in vLLM).
+verification steps, and batches larger than the largest size, run eagerly. A graph holds the model
+forward and, given `compute_logits`, the logits of every row and their argmax:
+
+    hidden = model(input_ids[:B], positions[:B])        # [B, hidden]
+    logits[:B] = compute_logits(hidden)                 # [B, vocab] fp32, a persistent buffer
+    greedy_ids[:B] = logits[:B].argmax(-1)              # [B] int64, a persistent buffer
+
+In a pure-decode step each request samples exactly its one row (logits_indices = arange(n)), so the
+runner hands logits[:n] to the sampler, or, when the sampler would return argmax(raw logits) anyway
+(`SamplingBatch.argmax_only`: all greedy, no penalty, min_tokens ban or logprobs), takes greedy_ids[:n]
+directly: such a step is one replay and one device -> host copy of n token ids.
+
+Memory: the two buffers are sized by the largest captured size, max(sizes) x vocab x 4 bytes of
+logits (256 MB for 512 x 128k) plus max(sizes) x 8 bytes of ids; the capture pool also keeps the
+largest size's transient lm_head output (for a bf16 model another 1.5x the logits buffer), since
+pool memory is not handed back while the graphs live. Smaller `cuda_graph_sizes` shrink both.
 
 NOTE: a graph replays the device addresses it saw at capture: the weights, the KV cache, and the
 runner's persistent step buffers. Every input of the forward is a prefix view (rows 0 .. B) of a
@@ -12,13 +26,14 @@ buffer allocated once (`StepBuffers`), so the record a step builds points where 
 
 Padded rows n .. B have query length 0 (query_start_loc repeats its last value), seq_len 0, slot -1
 (no KV write), request row -1, and token 0 at position 0: attention skips them, and every other op
-of the forward is row-wise, so nothing computed for them reaches a real row.
+of the forward, the lm_head and the argmax are row-wise, so nothing computed for them reaches a real row.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -127,6 +142,15 @@ def eager_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]
     return fn
 
 
+@dataclass
+class GraphStep:
+    """What a replay leaves for the runner: views of rows 0 .. num_reqs, valid until the next replay."""
+
+    out: Outputs  # the forward's result: hidden [num_reqs, hidden] (and aux hidden states)
+    logits: torch.Tensor | None  # [num_reqs, vocab] fp32, one row per request; None: not captured
+    greedy_ids: torch.Tensor | None  # [num_reqs] int64, logits.argmax(-1); None: not captured
+
+
 def _head(out: Outputs, n: int) -> Outputs:
     if isinstance(out, torch.Tensor):
         return out[:n]
@@ -134,7 +158,10 @@ def _head(out: Outputs, n: int) -> Outputs:
 
 
 class DecodeGraphs:
-    """Captured decode forwards keyed by padded batch size; `covers` says whether a step can replay one."""
+    """Captured decode steps keyed by padded batch size; `covers` says whether a step can replay one.
+
+    compute_logits ([n, hidden] -> [n, vocab] fp32) and vocab_size, both or neither: with them the
+    graphs also fill `logits` and `greedy_ids`; without, they hold the forward only."""
 
     def __init__(
         self,
@@ -145,12 +172,24 @@ class DecodeGraphs:
         sizes: Sequence[int],
         block_size: int,
         max_seq_len: int,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        vocab_size: int | None = None,
         capture: Capture = cuda_graph_capture,
     ):
+        assert (compute_logits is None) == (vocab_size is None), "compute_logits needs vocab_size"
         self.buffers = buffers
-        self.sizes = sorted(s for s in set(sizes) if 1 <= s <= buffers.max_num_reqs)
+        # A decode batch has at most max_num_seqs requests and max_num_batched_tokens tokens.
+        largest = min(buffers.max_num_reqs, buffers.max_num_tokens)
+        self.sizes = sorted(s for s in set(sizes) if 1 <= s <= largest)
         self.addresses: dict[int, dict[str, int]] = {}
         self._replay: dict[int, Callable[[], Outputs]] = {}
+        self.compute_logits = compute_logits
+        self.logits: torch.Tensor | None = None  # [max(sizes), vocab] fp32
+        self.greedy_ids: torch.Tensor | None = None  # [max(sizes)] int64
+        if compute_logits is not None and self.sizes:
+            device = buffers.input_ids.gpu.device
+            self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
+            self.greedy_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
         pool = torch.cuda.graph_pool_handle() if capture is cuda_graph_capture else None
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             self._replay[b] = self._capture_one(model, backends, b, block_size, max_seq_len, capture, pool)
@@ -170,8 +209,20 @@ class DecodeGraphs:
         common = decode_metadata(buf, b, block_size, max_seq_len)
         metadata = {backend.name: backend.build_metadata(common) for backend in backends}
         input_ids, positions = buf.input_ids.gpu[:b], buf.positions.gpu[:b]
-        replay = capture(lambda: model(input_ids, positions, metadata), pool)
+
+        def step() -> Outputs:
+            out = model(input_ids, positions, metadata)
+            if self.compute_logits is not None:
+                hidden = out[0] if isinstance(out, tuple) else out  # [b, hidden]
+                logits = self.logits[:b]
+                logits.copy_(self.compute_logits(hidden))  # the buffer: every size's graph writes it
+                torch.argmax(logits, dim=-1, out=self.greedy_ids[:b])
+            return out
+
+        replay = capture(step, pool)
         self.addresses[b] = buffer_addresses(buf, common)
+        if self.logits is not None:
+            self.addresses[b] |= {"logits": self.logits.data_ptr(), "greedy_ids": self.greedy_ids.data_ptr()}
         return replay
 
     def padded_size(self, common: CommonAttentionMetadata) -> int | None:
@@ -184,9 +235,9 @@ class DecodeGraphs:
     def covers(self, common: CommonAttentionMetadata) -> bool:
         return self.padded_size(common) is not None
 
-    def run(self, common: CommonAttentionMetadata) -> Outputs:
-        """Pad the step buffers (rows < num_reqs hold this step's inputs) and replay: outputs [num_reqs, ...],
-        views of the graph's static outputs, valid until the next replay."""
+    def run(self, common: CommonAttentionMetadata) -> GraphStep:
+        """Pad the step buffers (rows < num_reqs hold this step's inputs) and replay: rows 0 .. num_reqs of
+        the forward's outputs (and of logits, greedy_ids), views valid until the next replay."""
         b, n = self.padded_size(common), common.num_reqs
         assert b is not None, "run() on a step the graphs do not cover"
         buf = self.buffers
@@ -194,4 +245,7 @@ class DecodeGraphs:
         for x in (buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens):
             x.copy_to_gpu(b)
         buf.query_start_loc.copy_to_gpu(b + 1)
-        return _head(self._replay[b](), n)
+        out = _head(self._replay[b](), n)
+        if self.logits is None:
+            return GraphStep(out, None, None)
+        return GraphStep(out, self.logits[:n], self.greedy_ids[:n])

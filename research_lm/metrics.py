@@ -39,6 +39,7 @@ class EngineMetrics:
         self.num_output_tokens += emitted
         self.num_prompt_tokens_computed += sched.num_scheduled_tokens - emitted
         drafts = sum(out.num_draft_tokens or [])
+        phases = {"verify_ms": out.verify_ms, "draft_ms": out.draft_ms}  # speculative runs only
         self.steps.append({
             "step": len(self.steps),
             "step_time_s": seconds,
@@ -46,6 +47,7 @@ class EngineMetrics:
             "num_reqs": len(sched.scheduled),
             "num_output_tokens": emitted,
             "num_draft_tokens": drafts,
+            **{k: v for k, v in phases.items() if v is not None},
             **vars(stats),
         })
 
@@ -80,4 +82,18 @@ class EngineMetrics:
         if drafts:
             accepted = sum(o.metrics.num_accepted_tokens for o in ok)
             out["draft_acceptance_rate"] = accepted / drafts
+        out.update(spec_phase_stats(self.steps))
         return out
+
+
+def spec_phase_stats(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Draft vs verify time over the steps that verified drafts (each also drafted for the next step):
+    median ms per step of each phase, and draft_fraction = total draft / (total draft + total verify).
+    Empty for a run without drafts."""
+    spec = [(s["draft_ms"], s["verify_ms"]) for s in steps if "verify_ms" in s and "draft_ms" in s]
+    if not spec:
+        return {}
+    draft, verify = np.asarray(spec, dtype=np.float64).T
+    return {"draft_ms_per_step_median": float(np.median(draft)), "verify_ms_per_step_median": float(np.median(verify)),
+            "draft_fraction": float(draft.sum() / max(draft.sum() + verify.sum(), 1e-12)),
+            "num_verify_steps": len(spec)}

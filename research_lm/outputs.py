@@ -35,6 +35,11 @@ class RunnerOutput:
     logprobs: list[list[dict[int, Logprob]]] | None = None  # per request, per emitted token
     num_draft_tokens: list[int] | None = None  # drafts verified per request this step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for next step
+    # Host wall time of the step's two speculative phases (None when the phase did not run): verify =
+    # input prep + target forward + rejection sampling of a step whose batch verified drafts, up to the
+    # `.tolist()` of the emitted tokens; draft = the proposer's `propose` call.
+    verify_ms: float | None = None
+    draft_ms: float | None = None
 
 
 @dataclass

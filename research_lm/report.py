@@ -40,8 +40,9 @@ import yaml
 GENERATE_METRICS = (
     "output_throughput_tok_s", "ttft_ms_p50", "tpot_ms_mean", "decode_step_ms_median", "kv_bytes_per_token",
     "kv_bytes_used_max", "state_bytes_per_request", "num_preemptions", "mean_acceptance_length",
-    "draft_acceptance_rate", "speedup", "tpot_ratio", "decode_step_ratio", "kv_bytes_per_token_ratio",
-    "kv_bytes_used_ratio", "outputs_match_baseline", "offered_request_rate",
+    "draft_acceptance_rate", "draft_ms_per_step_median", "verify_ms_per_step_median", "draft_fraction", "speedup",
+    "tpot_ratio", "decode_step_ratio", "kv_bytes_per_token_ratio", "kv_bytes_used_ratio", "outputs_match_baseline",
+    "offered_request_rate",
 )
 # Plotted against numeric swept keys (when present).
 PLOT_METRICS = ("output_throughput_tok_s", "tpot_ms_mean", "mean_acceptance_length", "speedup")
@@ -335,9 +336,11 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
         lines.append("Columns: throughput in tokens/s; ttft/tpot/decode_step in ms; kv_bytes_per_token = KV cache "
                      "bytes per token of context (all layers); kv_bytes_used_max = KV bytes in use at the busiest "
                      "step; "
-                     "mean_acceptance_length = tokens per target forward (tau); speedup and *_ratio = this run / "
-                     "its baseline in the same process; outputs_match_baseline = fraction of requests with identical "
-                     "tokens.")
+                     "mean_acceptance_length = tokens per target forward (tau); draft_/verify_ms_per_step_median = "
+                     "median ms of the proposer / of the target forward + rejection sampling over steps that verified "
+                     "drafts, draft_fraction = draft / (draft + verify) time over them; speedup and *_ratio = this "
+                     "run / its baseline in the same process; outputs_match_baseline = fraction of requests with "
+                     "identical tokens.")
     out = root / "report.md"
     out.write_text("\n".join(lines) + "\n")
     data = {"root": str(root), "env": env, "swept": all_keys, "repeat_key": repeat_key if repeated else None,

@@ -1,11 +1,16 @@
 """The model runner: the thin orchestrator every ablation shares.
 
-One step = update rows → prepare inputs → attention metadata → forward (CUDA graph or eager) → sample or
-verify → propose.
+One step = update rows → prepare inputs → attention metadata → forward (CUDA graph or eager) → logits →
+sample or verify → propose.
+A pure-decode step covered by a CUDA graph replays forward, logits and their argmax in one graph; an
+all-greedy batch without penalties, min_tokens or logprobs then takes the graph's argmax as its tokens
+(one replay, one device -> host copy of the ids), any other batch samples from the graph's logits.
 Each stage lives in a sibling module and enters here in one line; keep it that way.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -16,7 +21,7 @@ from research_lm.compilation import compile_forward
 from research_lm.cuda_graphs import DecodeGraphs, default_capture_sizes, unsupported_reason
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import Logprob
-from research_lm.sampler import Sampler, SamplingBatch, SamplingRow, compute_probs
+from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, compute_probs
 from research_lm.spec import Proposal, Proposer, StepOutcome, load_rejection_sampler
 
 
@@ -93,12 +98,14 @@ class ModelRunner:
             )
 
     def capture_cuda_graphs(self, sizes: list[int] | None = None) -> str | None:
-        """Capture decode graphs over the KV cache (allocated, and never again after); None, or why not."""
+        """Capture decode graphs (forward, logits, argmax) over the KV cache (allocated, and never again
+        after); None, or why not."""
         reason = unsupported_reason(self.model, self.backends, self.device)
         if reason is None:
             self.cuda_graphs = DecodeGraphs(
                 self.forward, self.buffers, self.backends, sizes=sizes or default_capture_sizes(self.max_num_seqs),
                 block_size=self.block_size, max_seq_len=self.max_model_len,
+                compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
             )
         return reason
 
@@ -114,19 +121,24 @@ class ModelRunner:
         if not sched.scheduled:
             return RunnerOutput(req_ids=[], sampled_token_ids=[])
 
+        t0 = time.perf_counter()  # host spans are honest on GPU: each phase ends in a `.tolist()` sync
         common, sample_rows = self._prepare_inputs(sched.scheduled)
         attn_metadata = {b.name: b.build_metadata(common) for b in self.backends}
         input_ids = self.buffers.input_ids.gpu[: common.num_tokens]
         positions = self.buffers.positions.gpu[: common.num_tokens]
+        graph = None
         if self.cuda_graphs is not None and self.cuda_graphs.covers(common):
-            out = self.cuda_graphs.run(common)  # pure decode: replay the padded batch's graph
-        else:
-            out = self.forward(input_ids, positions, attn_metadata)
+            graph = self.cuda_graphs.run(common)  # pure decode: replay the padded batch's graph
+        out = graph.out if graph is not None else self.forward(input_ids, positions, attn_metadata)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
 
-        logits_indices = self.buffers.logits_indices.copy_to_gpu(len(sample_rows))
-        logits = self.model.compute_logits(hidden[logits_indices])  # [num_sample_rows, vocab]
-        emitted, logprobs, num_rejected = self._sample_or_verify(sched.scheduled, sample_rows, logits)
+        greedy_ids = None  # [num_sample_rows] int64, argmax of logits, when the graph computed it
+        if graph is not None and graph.logits is not None and len(sample_rows) == common.num_reqs:
+            logits, greedy_ids = graph.logits, graph.greedy_ids  # a row per request: logits_indices = arange
+        else:
+            logits_indices = self.buffers.logits_indices.copy_to_gpu(len(sample_rows))
+            logits = self.model.compute_logits(hidden[logits_indices])  # [num_sample_rows, vocab]
+        emitted, logprobs, num_rejected = self._sample_or_verify(sched.scheduled, sample_rows, logits, greedy_ids)
 
         output = RunnerOutput(
             req_ids=[s.request.request_id for s in sched.scheduled],
@@ -134,6 +146,9 @@ class ModelRunner:
             logprobs=logprobs,
             num_draft_tokens=[len(s.spec_token_ids) for s in sched.scheduled],
         )
+        t1 = time.perf_counter()
+        if any(s.spec_token_ids for s in sched.scheduled):
+            output.verify_ms = (t1 - t0) * 1e3
         if self.proposer is not None:
             outcome = StepOutcome(
                 requests=[s.request for s in sched.scheduled], emitted=emitted, input_ids=input_ids,
@@ -142,6 +157,9 @@ class ModelRunner:
                 attn_metadata=attn_metadata,
             )
             proposal: Proposal = self.proposer.propose(outcome)
+            # Model-based proposers end in the `.tolist()` of their drafts (a sync) and ngram runs on the
+            # host; only a step that drafts nothing may leave EAGLE's KV writes to the next step's span.
+            output.draft_ms = (time.perf_counter() - t1) * 1e3
             output.draft_token_ids = proposal.token_ids
             self.draft_probs.update(proposal.probs)
         return output
@@ -204,8 +222,11 @@ class ModelRunner:
         scheduled: list[ScheduledRequest],
         sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
         logits: torch.Tensor,  # [num_sample_rows, vocab]
+        greedy_ids: torch.Tensor | None = None,  # [num_sample_rows] int64: logits.argmax(-1), from the graph
     ) -> tuple[list[list[int]], list[list[dict[int, Logprob]]] | None, list[int]]:
-        """Tokens emitted per request (and their logprobs), and how many drafts each rejected."""
+        """Tokens emitted per request (and their logprobs), and how many drafts each rejected.
+
+        greedy_ids stand in for the sampler where it would return exactly them (`batch.argmax_only`)."""
         rows = [
             SamplingRow(scheduled[i].request, None if j == 0 else
                         scheduled[i].request.output_token_ids + scheduled[i].spec_token_ids[:j])
@@ -215,7 +236,10 @@ class ModelRunner:
         emitted: list[list[int]] = [[] for _ in scheduled]
         num_rejected = [0] * len(scheduled)
         if not any(s.spec_token_ids for s in scheduled):
-            out = self.sampler(logits, batch)
+            if greedy_ids is not None and batch.argmax_only:
+                out = SamplerOutput(greedy_ids)  # what the sampler returns here, computed in the graph
+            else:
+                out = self.sampler(logits, batch)
             for (i, _), token in zip(sample_rows, out.token_ids.tolist(), strict=True):
                 emitted[i] = [token]
             logprobs = None

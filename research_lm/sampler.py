@@ -168,6 +168,13 @@ class SamplingBatch:
     def no_penalties(self) -> bool:
         return self.output_counts is None and self.seen_mask is None
 
+    @property
+    def argmax_only(self) -> bool:
+        """The sampler returns argmax(raw logits) and no logprobs: every row greedy, no penalty, no
+        min_tokens ban this step (a row below min_tokens with nothing to ban counts as plain), no
+        logprobs asked. A precomputed argmax (the decode CUDA graph's) may then stand in for it."""
+        return self.all_greedy and self.no_penalties and self.banned_rows is None and self.max_num_logprobs is None
+
     @cached_property
     def greedy_mask(self) -> torch.Tensor:  # [R] bool, built on first use (mixed batches)
         return rng.to_device(self.greedy, torch.bool, self.device)
@@ -507,7 +514,8 @@ class Sampler:
     """logits [R, V] -> one token per row (+ raw logprobs when asked). Stateless.
 
     Nothing here waits for the device: the caller's `.tolist()` of the tokens is the step's one
-    host-device sync. An all-greedy batch without penalties, min_tokens or logprobs is one argmax.
+    host-device sync. An all-greedy batch without penalties, min_tokens or logprobs
+    (`SamplingBatch.argmax_only`) is one argmax.
     """
 
     def __call__(

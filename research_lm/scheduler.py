@@ -268,7 +268,7 @@ class Scheduler:
             request.num_accepted_tokens += len(sampled) - 1
         for j, token in enumerate(sampled):
             request.output_token_ids.append(token)
-            if logprobs is not None:
+            if logprobs:  # [] where this request asked for none while another in the step did
                 request.output_logprobs.append(logprobs[j])
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()

@@ -9,6 +9,8 @@ backend under the interpreter; on CUDA the real graphs replay (`-m gpu`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
@@ -98,59 +100,188 @@ def test_unsupported_reason():
     assert "Syncs" in unsupported_reason(torch.nn.Sequential(Syncs()), [get_backend("triton")], cuda)
 
 
+def test_graph_logits_and_argmax_land_in_persistent_buffers():
+    """Every size's graph writes rows 0 .. B of the same logits / greedy_ids buffers; run() hands out
+    rows 0 .. n, at the captured addresses, with greedy_ids = argmax of the real rows' logits."""
+    buf = StepBuffers(max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
+    vocab = 10
+
+    def peaked_at_input_id(hidden):  # [b, 1] -> [b, vocab]: argmax = the row's input id
+        return -((hidden - torch.arange(vocab)) ** 2)
+
+    graphs = DecodeGraphs(_Recorder(), buf, [], sizes=[1, 2, 4, 8], block_size=16, max_seq_len=64,
+                          compute_logits=peaked_at_input_id, vocab_size=vocab, capture=eager_capture)
+    assert graphs.logits.shape == (8, vocab) and graphs.greedy_ids.shape == (8,)
+    logits_ptr, ids_ptr = graphs.logits.data_ptr(), graphs.greedy_ids.data_ptr()
+    assert all(a["logits"] == logits_ptr and a["greedy_ids"] == ids_ptr for a in graphs.addresses.values())
+    for n, ids in [(3, [7, 1, 4]), (1, [9]), (8, [0, 1, 2, 3, 4, 5, 6, 7]), (2, [5, 5])]:
+        buf.input_ids.np[:n] = ids
+        buf.query_start_loc.np[: n + 1] = np.arange(n + 1)
+        step = graphs.run(decode_metadata(buf, n, 16, 64))
+        assert step.logits.shape == (n, vocab) and step.greedy_ids.shape == (n,)
+        assert (step.logits.data_ptr(), step.greedy_ids.data_ptr()) == (logits_ptr, ids_ptr)
+        assert step.greedy_ids.tolist() == ids
+        assert torch.equal(step.logits, peaked_at_input_id(torch.tensor(ids, dtype=torch.float32)[:, None]))
+
+
+def test_graph_sizes_stop_at_the_token_budget():
+    buf = StepBuffers(max_num_tokens=3, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
+    graphs = DecodeGraphs(_Recorder(), buf, [], sizes=[1, 2, 4, 8], block_size=16, max_seq_len=64,
+                          capture=eager_capture)
+    assert graphs.sizes == [1, 2]
+    assert graphs.logits is None and graphs.run(decode_metadata(buf, 2, 16, 64)).logits is None
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(vocab, (n,), generator=g).tolist() for n in (5, 9, 3)]
 
 
-def _generate_with_graphs(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, int]], int]:
-    """Generate, recording the metadata addresses of every step; returns (tokens, addresses, replays)."""
+@dataclass
+class _Run:
+    tokens: list[list[int]]
+    logprobs: list[list[dict] | None]
+    addresses: list[dict[str, int]]  # per replay: every device buffer the graph reads or writes
+    sampled: int  # steps whose tokens came from the sampler; the others took the graph's argmax
+
+    @property
+    def replays(self) -> int:
+        return len(self.addresses)
+
+
+def _generate_with_graphs(llm: LLM, prompts, params) -> _Run:
+    """Generate, recording the buffer addresses of every replay and counting the sampler's calls."""
     runner = llm.engine.runner
-    graphs = runner.cuda_graphs
-    seen: list[dict[str, int]] = []
-    replays = 0
-    prepare, run = runner._prepare_inputs, graphs.run
+    graphs, sampler = runner.cuda_graphs, runner.sampler
+    addresses: list[dict[str, int]] = []
+    sampled = 0
 
-    def recording_prepare(scheduled):
-        common, rows = prepare(scheduled)
-        if graphs.covers(common):
-            seen.append(buffer_addresses(runner.buffers, common))
-        return common, rows
+    def recording_run(common):
+        step = DecodeGraphs.run(graphs, common)
+        seen = buffer_addresses(runner.buffers, common)
+        if step.logits is not None:
+            seen |= {"logits": step.logits.data_ptr(), "greedy_ids": step.greedy_ids.data_ptr()}
+        addresses.append(seen)
+        return step
 
-    def counting_run(common):
-        nonlocal replays
-        replays += 1
-        return run(common)
+    def counting_sampler(logits, batch):
+        nonlocal sampled
+        sampled += 1
+        return sampler(logits, batch)
 
-    runner._prepare_inputs, graphs.run = recording_prepare, counting_run
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], seen, replays
+    graphs.run, runner.sampler = recording_run, counting_sampler
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del graphs.run
+        runner.sampler = sampler
+    return _Run([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], addresses, sampled)
 
 
-def _params(max_tokens: list[int]) -> list[SamplingParams]:
-    # different lengths: the batch shrinks 3 -> 2 -> 1, so padded sizes (3 -> 4) are replayed too
-    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+def _params(max_tokens: list[int], **first) -> list[SamplingParams]:
+    """Greedy; `first` goes to the first request only. Different lengths shrink the batch, e.g.
+    3 -> 2 -> 1, so padded sizes (3 -> 4) are replayed too."""
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **(first if i == 0 else {}))
+            for i, n in enumerate(max_tokens)]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter variant; the GPU tests cover CUDA")
-def test_padded_replay_matches_eager_on_cpu(tiny_checkpoint):
-    """The graph path with a re-run stand-in: padding, buffer plumbing and the Triton kernels (interpreter)."""
-    knobs = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=4,
-                 max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks=24, max_model_len=48)
+def _graph_capturing(runner, sizes: list[int]) -> DecodeGraphs:
+    """The graphs `runner.capture_cuda_graphs` builds, captured by the re-run stand-in."""
+    return DecodeGraphs(runner.forward, runner.buffers, runner.backends, sizes=sizes, block_size=runner.block_size,
+                        max_seq_len=runner.max_model_len, compute_logits=runner.model.compute_logits,
+                        vocab_size=runner.vocab_size, capture=eager_capture)
+
+
+CPU_KNOBS = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=4, max_num_batched_tokens=32,
+                 max_num_seqs=4, num_gpu_blocks=24, max_model_len=48, enable_prefix_caching=False)
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="the Triton interpreter variant; the GPU tests cover CUDA")
+
+
+@pytest.fixture(scope="module")
+def cpu_llms(tiny_checkpoint) -> tuple[LLM, LLM]:
+    """(eager, graphs) over the same checkpoint; no prefix caching, so step shapes do not depend on
+    which test ran first."""
     path = str(tiny_checkpoint("llama"))
-    eager = LLM(path, **knobs)
+    eager, llm = LLM(path, **CPU_KNOBS), LLM(path, **CPU_KNOBS)
+    llm.engine.runner.cuda_graphs = _graph_capturing(llm.engine.runner, [1, 2, 4])
+    return eager, llm
+
+
+def _eager_tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@cpu_only
+def test_padded_replay_matches_eager_on_cpu(cpu_llms):
+    """The graph path with a re-run stand-in: padding, buffer plumbing and the Triton kernels (interpreter);
+    every decode step takes the graph's argmax, none runs the sampler."""
+    eager, llm = cpu_llms
     prompts = _prompts(eager.engine.info.vocab_size)
     params = _params([6, 4, 2])
-    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    run = _generate_with_graphs(llm, prompts, params)
+    assert run.tokens == _eager_tokens(eager, prompts, params)
+    assert run.replays == 5  # decode steps: 1 at batch 3 (padded to 4), 2 at 2, 2 at 1
+    assert run.sampled == 1  # the prefill step
+    assert all(a == llm.engine.runner.cuda_graphs.addresses[4] for a in run.addresses)
 
-    llm = LLM(path, **knobs)
-    runner = llm.engine.runner
-    runner.cuda_graphs = DecodeGraphs(runner.model, runner.buffers, runner.backends, sizes=[1, 2, 4],
-                                      block_size=4, max_seq_len=48, capture=eager_capture)
-    got, seen, replays = _generate_with_graphs(llm, prompts, params)
-    assert got == want
-    assert replays == 5  # decode steps: 1 at batch 3 (padded to 4), 2 at 2, 2 at 1
-    assert seen and all(a == runner.cuda_graphs.addresses[4] for a in seen)
+
+@cpu_only
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_graph_argmax_matches_eager_at_each_batch_size(cpu_llms, n):
+    """n equal requests: every decode step replays size n (3: padded to 4) and emits the eager tokens."""
+    eager, llm = cpu_llms
+    prompts = (_prompts(eager.engine.info.vocab_size) + [[1, 2, 3, 4]])[:n]
+    params = _params([5] * n)
+    run = _generate_with_graphs(llm, prompts, params)
+    assert run.tokens == _eager_tokens(eager, prompts, params)
+    assert (run.replays, run.sampled) == (4, 1)
+
+
+@cpu_only
+@pytest.mark.parametrize("first, sampled_decode_steps", [
+    (dict(repetition_penalty=1.3), 5),  # changes the argmax on every step
+    (dict(logprobs=2), 5),  # the argmax is right, but logprobs need the sampler
+    (dict(min_tokens=3), 2),  # positions 1, 2 ban the stop id; from 3 on the raw argmax is the token
+])
+def test_greedy_rows_the_raw_argmax_would_get_wrong_take_the_sampler(cpu_llms, first, sampled_decode_steps):
+    """The first of three greedy requests asks for processing; while it does, the whole step samples
+    from the graph's logits, and the tokens (and logprobs) are the eager ones."""
+    eager, llm = cpu_llms
+    prompts = _prompts(eager.engine.info.vocab_size)
+    if "min_tokens" in first:  # ban the token plain greedy emits at position 1
+        stop = _eager_tokens(eager, prompts, _params([6, 4, 2]))[0][1]
+        first = dict(first, stop_token_ids=[stop])
+    params = _params([6, 4, 2], **first)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    run = _generate_with_graphs(llm, prompts, params)
+    assert run.tokens == [o.outputs[0].token_ids for o in want]
+    assert run.sampled == 1 + sampled_decode_steps
+    if "min_tokens" in first:
+        assert run.tokens[0][1] != first["stop_token_ids"][0]
+    for got, ref in zip(run.logprobs, (o.outputs[0].logprobs for o in want), strict=True):
+        assert (got is None) == (ref is None)
+        for g, r in zip(got or [], ref or [], strict=True):
+            assert g.keys() == r.keys()
+            assert [x.logprob for x in g.values()] == pytest.approx([x.logprob for x in r.values()], abs=1e-5)
+
+
+@cpu_only
+def test_decode_shaped_step_with_a_prompt_chunk_samples_eagerly(tiny_checkpoint):
+    """A budget of 2 tokens: a request's last prompt token (sampled) or decode token rides with a
+    one-token chunk of another prompt (not sampled). The step is decode-shaped, so the graph runs it,
+    but logits_indices is not arange: the sampled row's logits come from compute_logits as in eager."""
+    knobs = dict(CPU_KNOBS, max_num_batched_tokens=2, max_num_seqs=2)
+    path = str(tiny_checkpoint("llama"))
+    eager, llm = LLM(path, **knobs), LLM(path, **knobs)
+    llm.engine.runner.cuda_graphs = _graph_capturing(llm.engine.runner, [1, 2])
+    prompts, params = [[3, 4, 5], [6, 7, 8, 9, 10]], _params([4, 2])
+    run = _generate_with_graphs(llm, prompts, params)
+    assert run.tokens == _eager_tokens(eager, prompts, params)
+    # steps (r0 prompt 3, 4 tokens; r1 prompt 5, 2 tokens): 1 [r0 2-chunk] (eager, samples nothing);
+    # 2..5 [r0 last prompt token or decode, r1 1-chunk] replayed, sampling r0 alone through the sampler;
+    # 6 [r1 last prompt token], 7 [r1 decode] replayed, taking the graph's argmax.
+    assert (run.replays, run.sampled) == (6, 5)
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
@@ -184,11 +315,36 @@ def test_graph_replay_matches_eager_on_cuda(dtype, tiny_checkpoint):
     llm = LLM(path, cuda_graphs=True, **knobs)
     graphs = llm.engine.runner.cuda_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4]
-    got, seen, replays = _generate_with_graphs(llm, prompts, params)
-    assert got == want
-    assert replays == (9 if dtype == "bfloat16" else 11)  # decode steps (the first token comes from prefill)
-    assert len(seen) == replays and all(a == graphs.addresses[1] for a in seen)
+    run = _generate_with_graphs(llm, prompts, params)
+    assert run.tokens == want
+    assert run.replays == (9 if dtype == "bfloat16" else 11)  # decode steps (the first token comes from prefill)
+    assert run.sampled == 1  # the prefill; every decode step took the graph's argmax
+    assert all(a == graphs.addresses[1] for a in run.addresses)
     assert all(graphs.addresses[b] == graphs.addresses[1] for b in graphs.sizes)
+    assert graphs.logits.shape == (4, vocab) and graphs.logits.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first, sampled", [({}, 1), (dict(repetition_penalty=1.3), 10), (dict(logprobs=3), 10)])
+def test_graph_argmax_and_sampler_fallback_match_eager_in_bf16_on_cuda(tiny_checkpoint, first, sampled):
+    """bf16, the real graphs: a plain greedy batch emits the graph's argmax (the sampler runs only for
+    the prefill), a batch with a repetition penalty or logprobs samples from the graph's logits; both
+    give the eager tokens exactly (4 equal requests: no padding, so eager runs the lm_head GEMM on the
+    same [4, hidden] shape as the graph)."""
+    _needs_cuda()
+    path = str(tiny_checkpoint("llama"))
+    knobs = dict(dtype="bfloat16", device="cuda", attention_backend="triton", block_size=4,
+                 max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=64, max_model_len=64,
+                 cuda_graph_sizes=[1, 2, 4])
+    prompts, params = [[i + 1] * 7 for i in range(4)], _params([10] * 4, **first)
+    want = LLM(path, **knobs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, cuda_graphs=True, **knobs)
+    run = _generate_with_graphs(llm, prompts, params)
+    assert run.tokens == [o.outputs[0].token_ids for o in want]
+    assert (run.replays, run.sampled) == (9, sampled)
+    if "logprobs" in first:
+        got, ref = run.logprobs[0], want[0].outputs[0].logprobs
+        assert [d.keys() for d in got] == [d.keys() for d in ref]
 
 
 @pytest.mark.gpu

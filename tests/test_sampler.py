@@ -299,6 +299,32 @@ def test_penalties_match_reference():
     assert tok == 2  # token 6 (logit 3.0) is divided by 10
 
 
+@pytest.mark.parametrize("rows, argmax_only", [
+    ([dict(), dict(outputs=[1])], True),
+    ([dict(min_tokens=2, stop_token_ids=[4], outputs=[4, 4])], True),  # min_tokens reached
+    ([dict(min_tokens=2, ignore_eos=True)], True),  # below min_tokens with nothing to ban
+    ([dict(), dict(temperature=0.7)], False),
+    ([dict(logprobs=0)], False),
+    # below: the raw argmax (token 4) is not the greedy token
+    ([dict(repetition_penalty=1.2)], False),
+    ([dict(), dict(presence_penalty=1.0, outputs=[4])], False),
+    ([dict(frequency_penalty=1.0, outputs=[4])], False),
+    ([dict(min_tokens=2, stop_token_ids=[4], ignore_eos=True, outputs=[4])], False),
+])
+def test_argmax_only_says_when_the_sampler_is_the_raw_argmax(rows, argmax_only):
+    """A precomputed argmax (the decode CUDA graph's) may stand in for the sampler exactly when
+    `argmax_only`; whenever it says so, the sampler's tokens are argmax(raw logits)."""
+    reqs = [make_req(i, prompt=(3, 4, 5, 6), eos=4, **{"temperature": 0.0, **r}) for i, r in enumerate(rows)]
+    logits = rand_logits(len(reqs), seed=3, scale=0.1)
+    logits[:, 4], logits[:, 9] = 10.0, 9.5  # token 4: in the prompt, the stop id and EOS
+    out, batch = sample(logits, reqs)
+    assert batch.argmax_only is argmax_only
+    if argmax_only:
+        assert torch.equal(out.token_ids, logits.argmax(-1)) and out.logprobs is None
+    elif all(r.sampling_params.greedy and r.sampling_params.logprobs is None for r in reqs):
+        assert 9 in out.token_ids.tolist()  # the penalty or the ban moved a row off the raw argmax
+
+
 def test_no_penalty_fast_path_builds_no_tensors():
     batch = SamplingBatch.build([make_req(i, outputs=[1, 2]) for i in range(3)], V)
     assert batch.output_counts is None and batch.seen_mask is None and batch.no_penalties

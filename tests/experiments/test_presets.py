@@ -79,6 +79,9 @@ def test_spec_presets_report_acceptance_and_identical_outputs(preset_runs):
         s = preset_runs[name]["summary"]
         assert s["outputs_match_baseline"] == 1.0, name  # greedy speculation never changes the output
         assert "speedup" in s and "baseline_output_throughput_tok_s" in s
+        assert s["draft_ms_per_step_median"] > 0 and s["verify_ms_per_step_median"] > 0, name
+        assert 0 < s["draft_fraction"] < 1, name
+        assert "draft_fraction" not in preset_runs[name]["baseline"]["summary"], name  # no drafts, no phases
     s = preset_runs["eagle3"]["summary"]  # a head drafts at every decode step (ngram only on a match)
     # the built-in trained pair: the head guesses the target's next token often (held-out top-1 0.48)
     assert s["mean_acceptance_length"] > 1.3 and 0.3 < s["acceptance_rate_pos0"] <= 1.0
@@ -102,4 +105,5 @@ def test_report_over_the_presets(preset_runs):
 
     text = build_report(preset_runs["_sweep"]).read_text()
     assert "| job | `experiment` |" in text and "## EPLB replay" in text
+    assert "draft_ms_per_step_median | verify_ms_per_step_median | draft_fraction" in text
     assert (preset_runs["_sweep"] / f"report_eplb_{QUICK.index('eplb_ablation')}.png").is_file()

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from research_lm import LLM, SamplingParams
 from research_lm.train import TrainConfig, train_head
@@ -105,6 +106,96 @@ def test_spec_decode_loads_what_we_write(heads, tiny_target, method):
     llm = LLM(str(tiny_target), device="cpu", dtype="float32", speculative_config=spec)
     out = llm.generate(prompt, params, use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == list(plain[0].outputs[0].token_ids)
+
+
+def _training_draft_logits(method: str, head_dir, target, ids: torch.Tensor) -> list[torch.Tensor]:
+    """What training scores, per draft position j the head guesses from teacher-forced context: [T, vocab]
+    logits whose row t is the guess of token t+2+j (EAGLE / EAGLE-3: j = 0 only; Medusa: one per head).
+    Mirrors the objectives' forward passes (research_lm/train/{eagle,eagle3,medusa}.py), loaded from the
+    written checkpoint; ids: [1, T]."""
+    from research_lm.train.eagle import EagleObjective
+    from research_lm.train.eagle3 import Eagle3Objective
+    from research_lm.train.layers import rope_cos_sin
+    from research_lm.train.medusa import MedusaObjective
+
+    t = ids.shape[1]
+    if method == "medusa":
+        obj = MedusaObjective(target, **LAYOUTS[method][0])
+        obj.module.load_state_dict(load_file(head_dir / "medusa_lm_head.safetensors"))
+        hidden = target.features(ids).hidden
+        return [head(hidden)[0] for head in obj.module]
+    obj = (EagleObjective(target, **LAYOUTS[method][0]) if method == "eagle" else
+           Eagle3Objective(target, torch.ones(VOCAB), **LAYOUTS[method][0]))
+    obj.module.load_state_dict(load_file(head_dir / "model.safetensors"))
+    cos, sin = rope_cos_sin(torch.arange(t), obj.head_dim, obj.theta)
+    embeds = F.embedding(torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1), target.embed_weight)
+    if method == "eagle":
+        pred = obj.module(embeds, target.features(ids).hidden, cos, sin)
+        return [F.linear(pred, target.lm_head_weight)[0]]
+    head = obj.module
+    hidden = head.midlayer(embeds, head.fc(target.features(ids, obj.aux_layers).aux), cos, sin, [], [])
+    logits = torch.full((t, VOCAB), float("-inf"))
+    logits[:, torch.arange(DRAFT_VOCAB) + head.d2t] = head.lm_head(head.norm(hidden))[0]
+    return [logits]
+
+
+def _scrambled(head_dir, out, embed_std: float):
+    """A copy of a head whose every input matters: a 3-step head is ~ the identity on the feature (its
+    attention and the embedding half of EAGLE's fc are ~0), so a token/feature misalignment would not move
+    its argmax. Float tensors become N(0, 1/fan_in) (norms 1 + N(0, 0.1^2)); EAGLE's fc reads the
+    embedding (std `embed_std`, next to a normed feature) scaled up to the feature's size."""
+    shutil.copytree(head_dir, out)
+    gen = torch.Generator().manual_seed(0)
+    for file in out.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, w in tensors.items():
+            if not w.is_floating_point():
+                continue
+            noise = torch.randn(w.shape, generator=gen)
+            tensors[name] = 1 + 0.1 * noise if w.dim() == 1 and "norm" in name else noise / w.shape[-1] ** 0.5
+        if "fc.weight" in tensors and "layers.0.self_attn.q_proj.weight" in tensors:  # EAGLE-1: [embed; feature]
+            tensors["fc.weight"][:, :H] /= embed_std
+        save_file(tensors, file)
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("spec_decode.eagle") is None, reason="spec_decode loaders absent")
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+@torch.no_grad()
+def test_inference_drafts_are_the_training_time_argmax(heads, tiny_target, method, tmp_path):
+    """Every draft the live proposer makes from verified context (EAGLE's first, each Medusa head's) is the
+    argmax that training scores for the same context: same feature (post-norm / aux streams), same
+    token-feature pairing, positions, d2t and head offsets. Greedy identity alone cannot catch a
+    misalignment (the target corrects every bad draft); acceptance would just drop."""
+    from research_lm.train.teacher import FrozenTarget
+
+    target = FrozenTarget(tiny_target, torch.device("cpu"))
+    head_dir = _scrambled(heads[method], tmp_path / method, float(target.embed_weight.std()))
+    k = 3 if method == "medusa" else 2
+    llm = LLM(str(tiny_target), device="cpu", dtype="float32",
+              speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k})
+    proposer, drafts = llm.engine.runner.proposer, []  # (request id, known tokens N, drafts for x[N], x[N+1], ..)
+    propose = proposer.propose
+
+    def recording(outcome):
+        proposal = propose(outcome)
+        for req, emitted in zip(outcome.requests, outcome.emitted, strict=True):
+            if proposal.token_ids.get(req.request_id):
+                drafts.append((req.request_id, req.num_tokens + len(emitted), proposal.token_ids[req.request_id]))
+        return proposal
+
+    proposer.propose = recording
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 300, 40, 41, 300, 40, 41, 300, 77, 12]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    seqs = {o.request_id: torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids]) for o in outs}
+    logits = {rid: _training_draft_logits(method, head_dir, target, ids) for rid, ids in seqs.items()}
+    checked = 0
+    for rid, n, tokens in drafts:
+        for j, (token, per_position) in enumerate(zip(tokens, logits[rid])):
+            row = per_position[n - 2]  # position n-2 reads x[n-1] (EAGLE) / its feature guesses x[n+j]
+            assert row[token] >= row.max() - 1e-4, (method, rid, n, j, token, int(row.argmax()))
+            checked += 1
+    assert checked >= 8, checked
 
 
 def test_head_resume_matches_uninterrupted_run(tiny_target, train_kwargs, tmp_path):
