@@ -18,6 +18,7 @@ for method in $METHODS; do
   python -m research_lm -m experiment=spec_ablation device=cuda attention=triton logger=jsonl \
     model=hf model.name=$REF/target spec=$method $head spec.num_speculative_tokens=1,3,5 \
     workload.temperature=0.0,1.0 seed=0,1,2 runner.max_num_seqs=$BATCH workload.num_requests=$NREQ \
-    workload.max_tokens=48 hydra.sweep.dir=$SWEEP/$method-b$BATCH > $SWEEP/$method-b$BATCH.log 2>&1 \
+    workload.max_tokens=48 warmup_requests=$BATCH runner.num_gpu_blocks=4096 \
+    hydra.sweep.dir=$SWEEP/$method-b$BATCH > $SWEEP/$method-b$BATCH.log 2>&1 \
     || echo "sweep $method-b$BATCH failed: see $SWEEP/$method-b$BATCH.log"
 done
