@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 import torch
-from bench_common import add_repeat_args, cell, env_line, environment, repeat, repeats_line, write_results
+from bench_common import add_repeat_args, cell, env_line, repeats_line, run_table
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -190,19 +190,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention: needs a CUDA GPU (speed claims are made on the GPU); none found, nothing run.")
-    env = environment(torch.device("cuda"))
-    print(env_line(env), flush=True)
     shape = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, page=PAGE, dtype=str(DTYPE))
-
-    def save(payload: dict[str, Any]) -> str:
-        table = render(payload)
-        write_results(args.name or NAME, table, payload, args.out)
-        return table
-
-    payload = repeat(lambda: measure(args) | {"env": env, "shape": shape}, args.repeats,
-                     ("phase", "batch", "ctx", "backend"), on_repeat=save)
-    print(save(payload))
-    return payload
+    return run_table(args.name or NAME, torch.device("cuda"), args, measure, render,
+                     ("phase", "batch", "ctx", "backend"), shape=shape)
 
 
 def measure(args) -> dict[str, Any]:

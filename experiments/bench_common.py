@@ -153,6 +153,24 @@ def repeat(measure: Callable[[], dict[str, Any]], repeats: int, key: Sequence[st
     return aggregate(payloads, key)
 
 
+def run_table(name: str, device: torch.device, args: argparse.Namespace, measure: Callable[..., dict[str, Any]],
+              render: Callable[[dict[str, Any]], str], key: Sequence[str], **fields: Any) -> dict[str, Any]:
+    """A benchmark's main: print the environment, measure the whole table `args.repeats` times (saving the
+    aggregate after each repeat, so a cut-off run keeps what it measured), print and return the table.
+    `fields` are added to every repeat's payload (e.g. the shape)."""
+    env = environment(device)
+    print(env_line(env), flush=True)
+
+    def save(payload: dict[str, Any]) -> str:
+        table = render(payload)
+        write_results(name, table, payload, args.out)
+        return table
+
+    payload = repeat(lambda: measure(args) | {"env": env, **fields}, args.repeats, key, on_repeat=save)
+    print(save(payload))
+    return payload
+
+
 def aggregate(payloads: list[dict[str, Any]], key: Sequence[str]) -> dict[str, Any]:
     """Repeats of one table as one payload: the first repeat's fields, its numeric top-level fields (e.g. the
     measured ceilings) and every row's numeric fields replaced by the median over repeats (rows matched by

@@ -36,15 +36,13 @@ from bench_common import (
     cell,
     copy_bandwidth,
     env_line,
-    environment,
     free_cuda,
     hf_model,
     matmul_flops,
     model_dir,
-    repeat,
     repeats_line,
+    run_table,
     sync,
-    write_results,
 )
 
 NAME = "bench_throughput"
@@ -183,19 +181,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
-    device = torch.device(args.device)
-    env = environment(device)
-    print(env_line(env), flush=True)
     name = args.name or (NAME if not args.tiny else NAME + "_tiny")
-
-    def save(payload: dict[str, Any]) -> str:
-        table = render(payload)
-        write_results(name, table, payload, args.out)
-        return table
-
-    payload = repeat(lambda: measure(args) | {"env": env}, args.repeats, ("system",), on_repeat=save)
-    print(save(payload))
-    return payload
+    return run_table(name, torch.device(args.device), args, measure, render, ("system",))
 
 
 def measure(args) -> dict[str, Any]:
