@@ -11,7 +11,8 @@ case ${1:-tests} in
   decode) python -m experiments.paper bench_decode ;;          # re-measure after the graph logits change
   throughput) python -m experiments.paper bench_throughput ;;  # still session 1's single run
   spec_tiny) python -m experiments.paper spec_eagle3_tiny_h200 ;;
-  spec_ablation)  # $2 = batch (1, 8 or 32); trains the reference models first when missing (~3 min)
+  spec_ablation)  # $2 = batch (1, 8 or 32); trains the reference models first when missing (~3 min).
+    # All batches in one go, with the table written: python -m experiments.paper spec_ablation_h200 (~45 min)
     [ -d outputs/reference/target ] || bash experiments/train_reference.sh outputs/reference
     mkdir -p multirun/spec_ablation && bash experiments/spec_ablation_gpu.sh outputs/reference multirun/spec_ablation "$2" ;;
   zoo256)  # the missing batch-256 cells of attention_ablation_h200

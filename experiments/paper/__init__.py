@@ -52,6 +52,7 @@ class Table:
     bench: str | None = None  # experiments/<bench>.py, called through its main(argv)
     sweep: tuple[str, ...] = ()  # else: the overrides of `python -m research_lm -m ...`
     parts: tuple[tuple[str, ...], ...] = ()  # sweep: more overrides, one multirun per part (e.g. per batch size)
+    prepare: tuple[str, tuple[str, ...]] | None = None  # sweep: (path, command) run first when path is missing
     args: tuple[str, ...] = ()  # the benchmark's arguments for this table
     smoke: tuple[str, ...] | None = None  # --allow-cpu on a machine without CUDA: replaces/extends args
     repeat_key: str = "repeat"  # sweep: the key whose values are the repeats (`+repeat=0,1,2`; or `seed`)
@@ -68,6 +69,9 @@ _ZOO_LOAD = ("workload.num_requests=64", "workload.prompt_chars=8000", "workload
              "runner.max_num_seqs=64", "runner.num_gpu_blocks=16000", "warmup_requests=64")
 _ZOO_SMOKE = ("device=cpu", "attention=torch_ref", "logger=none", "workload.num_requests=2", "workload.max_tokens=4",
               "workload.prompt_chars=300", "runner.max_num_seqs=2", "runner.num_gpu_blocks=256")
+
+
+_REF = "outputs/reference"  # experiments/train_reference.sh's models (spec_ablation_h200)
 
 
 def command(name: str) -> str:
@@ -168,6 +172,28 @@ TABLES: dict[str, Table] = {
               "of ~8000 characters, 256 output tokens, batch 64, prefix caching off for both, 3 seeds. Read "
               "kv_bytes_per_token (0 for Mamba), state_bytes_per_request, kv_bytes_used_ratio and tpot_ratio.",
     ),
+    "spec_ablation_h200": Table(
+        what="spec_ablation on the GPU reference target: every proposer x k {1,3,5} x batch {1,8,32} x temperature "
+             "{0,1}: tau, acceptance per position, draft vs verify time, speedup vs no speculation",
+        device="cuda", measured_on="NVIDIA H200", minutes="~45 min (270 jobs; + ~3 min training when missing)",
+        sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
+               f"model.name={_REF}/target", "spec.num_speculative_tokens=1,3,5", "workload.temperature=0.0,1.0",
+               "workload.max_tokens=48", "runner.num_gpu_blocks=4096"),
+        parts=tuple((f"spec={method}", *((f"spec.model={_REF}/{head}",) if head else ()), f"runner.max_num_seqs={b}",
+                     f"workload.num_requests={max(8, b)}", f"warmup_requests={b}")
+                    for method, head in (("ngram", None), ("eagle3", "eagle3"), ("eagle", "eagle"),
+                                         ("medusa", "medusa"), ("draft_model", "draft"))
+                    for b in (1, 8, 32)),
+        prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
+        repeat_key="seed",
+        plots={"report_speedup_vs_spec.num_speculative_tokens.png": "spec_ablation_h200_speedup.png",
+               "report_mean_acceptance_length_vs_spec.num_speculative_tokens.png": "spec_ablation_h200_tau.png"},
+        title="spec_ablation on the reference target (GPU)",
+        about="The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 8 layers, trained on the "
+              "stdlib + pydoc corpus) and its four drafters trained in-framework; 48 output tokens per request, "
+              "max(8, batch) code prompts, 3 seeds per cell; each job also runs the same workload without "
+              "speculation in the same process (speedup). Eager runner for both (graphs do not cover spec steps).",
+    ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
         device="cuda", measured_on="NVIDIA H200", minutes="~6 min (estimate: 12 jobs)",
@@ -251,6 +277,10 @@ def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, ou
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     sweep_dir = Path(sweep_root) / file_name / stamp
     key = "+repeat" if table.repeat_key == "repeat" else table.repeat_key  # `repeat` is not in conf/config.yaml
+    if table.prepare is not None and not Path(table.prepare[0]).exists():
+        print("+ " + " ".join(table.prepare[1]), flush=True)  # e.g. train the models the sweep measures
+        if subprocess.run(list(table.prepare[1])).returncode != 0:
+            raise PaperError(f"{name}: preparing {table.prepare[0]} failed (see above)")
     commands = []
     for i, part in enumerate(table.parts or ((),)):
         part_dir = sweep_dir / f"part{i}" if table.parts else sweep_dir
