@@ -339,15 +339,21 @@ class AcceptanceMetrics(EngineMetrics):
     accepted_at: list[int] = field(default_factory=list)
     num_verifications: int = 0
     num_accepted: int = 0
+    num_evaluated: int = 0  # drafts the target judged: up to and including the first rejection
+    verifications_with_k: dict[int, int] = field(default_factory=dict)  # k -> verifications with k drafts
 
     def reset(self) -> None:
         super().reset()
         self.drafted_at, self.accepted_at = [], []
-        self.num_verifications = self.num_accepted = 0
+        self.num_verifications = self.num_accepted = self.num_evaluated = 0
+        self.verifications_with_k = {}
 
     def record_step(self, sched, out, stats, seconds) -> None:
         super().record_step(sched, out, stats, seconds)
-        for k, emitted in zip(out.num_draft_tokens or [], out.sampled_token_ids):
+        self.record_acceptance(out.num_draft_tokens or [], out.sampled_token_ids)
+
+    def record_acceptance(self, num_draft_tokens: list[int], emitted_per_request: list[list[int]]) -> None:
+        for k, emitted in zip(num_draft_tokens, emitted_per_request):
             if k <= 0 or not emitted:
                 continue
             accepted = min(len(emitted) - 1, k)
@@ -360,6 +366,8 @@ class AcceptanceMetrics(EngineMetrics):
                 self.accepted_at[j] += j < accepted
             self.num_verifications += 1
             self.num_accepted += accepted
+            self.num_evaluated += min(accepted + 1, k)
+            self.verifications_with_k[k] = self.verifications_with_k.get(k, 0) + 1
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
@@ -367,7 +375,19 @@ class AcceptanceMetrics(EngineMetrics):
             out["mean_acceptance_length"] = 1.0 + self.num_accepted / self.num_verifications
             for j, (d, a) in enumerate(zip(self.drafted_at, self.accepted_at)):
                 out[f"acceptance_rate_pos{j}"] = a / d if d else 0.0
+            out["draft_alpha"] = alpha = self.num_accepted / self.num_evaluated
+            out["leviathan_tau"] = sum(n * leviathan_tau(alpha, k) for k, n in self.verifications_with_k.items()
+                                       ) / self.num_verifications
         return out
+
+
+def leviathan_tau(alpha: float, k: int) -> float:
+    """Expected tokens per target forward with k drafts each accepted independently with probability alpha
+    (Leviathan et al. 2023, eq. 1): (1 - alpha^(k+1)) / (1 - alpha); k + 1 when alpha = 1. Next to the measured
+    tau it tests that model: equal when acceptance does not depend on the draft position, apart when it does.
+    `draft_alpha` estimates alpha as accepted drafts / drafts the target judged (every draft up to and including
+    the first rejection): the maximum-likelihood estimate under that model."""
+    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def decode_step_stats(steps: list[dict[str, Any]]) -> dict[str, float]:

@@ -39,7 +39,7 @@ import yaml
 # Key metrics per task, in column order; a column appears when some job has it.
 GENERATE_METRICS = (
     "output_throughput_tok_s", "ttft_ms_p50", "tpot_ms_mean", "decode_step_ms_median", "kv_bytes_per_token",
-    "kv_bytes_used_max", "state_bytes_per_request", "num_preemptions", "mean_acceptance_length",
+    "kv_bytes_used_max", "state_bytes_per_request", "num_preemptions", "mean_acceptance_length", "leviathan_tau",
     "draft_acceptance_rate", "draft_ms_per_step_median", "verify_ms_per_step_median", "draft_fraction", "speedup",
     "tpot_ratio", "decode_step_ratio", "kv_bytes_per_token_ratio", "kv_bytes_used_ratio", "outputs_match_baseline",
     "offered_request_rate",
@@ -336,7 +336,9 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
         lines.append("Columns: throughput in tokens/s; ttft/tpot/decode_step in ms; kv_bytes_per_token = KV cache "
                      "bytes per token of context (all layers); kv_bytes_used_max = KV bytes in use at the busiest "
                      "step; "
-                     "mean_acceptance_length = tokens per target forward (tau); draft_/verify_ms_per_step_median = "
+                     "mean_acceptance_length = tokens per target forward (tau); leviathan_tau = the tau that "
+                     "position-independent acceptance at the measured per-draft rate would give, "
+                     "(1 - a^(k+1)) / (1 - a); draft_/verify_ms_per_step_median = "
                      "median ms of the proposer / of the target forward + rejection sampling over steps that verified "
                      "drafts, draft_fraction = draft / (draft + verify) time over them; speedup and *_ratio = this "
                      "run / its baseline in the same process; outputs_match_baseline = fraction of requests with "

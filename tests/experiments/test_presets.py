@@ -85,6 +85,9 @@ def test_spec_presets_report_acceptance_and_identical_outputs(preset_runs):
     s = preset_runs["eagle3"]["summary"]  # a head drafts at every decode step (ngram only on a match)
     # the built-in trained pair: the head guesses the target's next token often (held-out top-1 0.48)
     assert s["mean_acceptance_length"] > 1.3 and 0.3 < s["acceptance_rate_pos0"] <= 1.0
+    # Leviathan's check: position-independent acceptance at the measured rate predicts tau in [1, k + 1]
+    assert 0 < s["draft_alpha"] < 1 and 1.0 < s["leviathan_tau"] < 1 + preset_runs["eagle3"]["config"]["spec"][
+        "num_speculative_tokens"]
     assert not (preset_runs["eagle3"]["_dir"] / "prepare").exists()  # the built-in head needs no training
 
 
