@@ -19,6 +19,9 @@ def profile_peak_activation_bytes(run_dummy_forward) -> int:
     return peak
 
 
+PREFIX_CACHE_HEADROOM = 8  # CUDA: at most this many times the blocks every sequence needs at full length
+
+
 def num_kv_blocks(
     *,
     page_size_bytes: int,  # one block over all layers
@@ -32,7 +35,9 @@ def num_kv_blocks(
     state_bytes: int = 0,  # per-request state (Mamba slots), allocated before the blocks
     num_lookahead_tokens: int = 0,  # a drafter's slots past the verified tokens
 ) -> int:
-    """CUDA: the blocks that fit in `utilization × total` after weights and activations.
+    """CUDA: the blocks that fit in `utilization × total` after weights and activations, but at most
+    PREFIX_CACHE_HEADROOM times what every sequence needs at full length: beyond that, blocks only hold more
+    prefix cache, and each costs Python bookkeeping (a tiny model in 0.9 of an H200 would get millions).
     CPU: enough for every sequence at full length (+ the null block), capped at that fraction of
     half the RAM, since a CPU run shares memory with everything else."""
     if num_gpu_blocks is not None:
@@ -46,7 +51,7 @@ def num_kv_blocks(
     else:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = min(wanted * page_size_bytes, ram * 0.5 * gpu_memory_utilization - state_bytes)
-    num_blocks = int(budget // page_size_bytes)
+    num_blocks = min(int(budget // page_size_bytes), PREFIX_CACHE_HEADROOM * wanted)
     if num_blocks < 2:
         raise ValueError(
             f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB, one block "
