@@ -15,7 +15,7 @@ run() {  # name, overrides...
     > $SWEEP/$name.log 2>&1 || echo "sweep $name failed: see $SWEEP/$name.log"
 }
 for preset in mla sliding_window mamba; do
-  backend=$([ $preset = mamba ] && echo "attention=triton +attention.mamba_backend=mamba_triton" || echo "attention=triton")
+  backend=$([ $preset = mamba ] && echo "attention=triton ++attention.mamba_backend=mamba_triton" || echo "attention=triton")
   run $preset experiment=$preset $backend workload.num_requests=64 workload.prompt_chars=8000 \
     workload.max_tokens=256 runner.max_num_seqs=64 runner.num_gpu_blocks=16000 warmup_requests=64
 done

@@ -80,7 +80,7 @@ def main() -> None:
         hc = HydraConfig.get()
         group = Path(hc.sweep.dir).name if hc.mode.name == "MULTIRUN" else None
         try:
-            run(cfg, Path(hc.runtime.output_dir), sweep_group=group)
+            run(cfg, Path(hc.runtime.output_dir), sweep_group=group, overrides=list(hc.overrides.task))
         except (ValueError, FileNotFoundError) as e:
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
 from research_lm.config import EngineConfig
@@ -39,7 +39,11 @@ def register_task(name: str):
     return wrap
 
 
-def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None) -> dict[str, Any]:
+def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None,
+        overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run `cfg.task` into `run_dir`. `overrides`: the command line's (Hydra's overrides.task), which the
+    preset's `gpu:` block leaves alone (apply_gpu_sizes)."""
+    cfg = apply_gpu_sizes(cfg, overrides or [])
     if cfg.task not in _TASKS and cfg.task in _TASK_MODULES:
         importlib.import_module(_TASK_MODULES[cfg.task])
     if cfg.task not in _TASKS:
@@ -59,6 +63,89 @@ def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None) -> dict[
         logger.finish()
     record_reproducibility(cfg, run_dir, results, group)
     return results
+
+
+def cuda_device(cfg: DictConfig) -> bool:
+    """Whether the run's device resolves to CUDA: `device: cuda[:N]`, or `auto` with a GPU present."""
+    device = str(cfg.get("device") or "auto")
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def override_paths(overrides: list[str]) -> list[str]:
+    """The config paths a command line sets: `key.path=v`, `+k=v`, `++k=v`, `~k` -> the key path;
+    a group override (`attention=flashinfer`, `model@pkg=hf`) -> the group's name."""
+    paths = []
+    for arg in overrides:
+        key = arg.partition("=")[0].lstrip("+~").partition("@")[0].strip()
+        if key:
+            paths.append(key)
+    return paths
+
+
+def _overlaps(path: str, user: list[str]) -> bool:
+    """`path` is a path the user set, under one, or above one (a group the user chose or changed a key of)."""
+    return any(path == u or path.startswith(u + ".") or u.startswith(path + ".") for u in user)
+
+
+def gpu_entries(cfg: DictConfig) -> list[tuple[str, Any]]:
+    """The `gpu:` block as (dotted path, value) pairs: mappings are followed down to the config's own leaves
+    (a mapping over a config leaf, e.g. `baseline: null`, is one entry); a string under a top-level config
+    group's name names one of its options (`model: random-llama-1b`, as in `baseline:`). ValueError on a key
+    the config does not have or an option that does not exist (a typo in a preset)."""
+    block = cfg.get("gpu")
+    if not block:
+        return []
+    out: list[tuple[str, Any]] = []
+
+    def walk(node: dict, target: Any, prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if not isinstance(target, DictConfig) or key not in target:
+                raise ValueError(f"gpu: {path!r} is not a key of the config (see --cfg job)")
+            sub = target._get_node(key)
+            if isinstance(value, dict) and isinstance(sub, DictConfig) and not sub._is_none():
+                walk(value, sub, path + ".")
+                continue
+            if isinstance(value, str) and not prefix and (CONF_DIR / key).is_dir():
+                if not (CONF_DIR / key / f"{value}.yaml").is_file():
+                    options = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+                    raise ValueError(f"gpu: unknown {key} {value!r}; choose one of: {', '.join(options)}")
+            out.append((path, value))
+
+    walk(OmegaConf.to_container(block, resolve=False), cfg, "")
+    return out
+
+
+def apply_gpu_sizes(cfg: DictConfig, overrides: list[str], cuda: bool | None = None) -> DictConfig:
+    """When the run's device resolves to CUDA (`cuda`: that answer, else cuda_device(cfg)), merge the preset's
+    `gpu:` block (its GPU sizes) into cfg, except every entry the command line touched: an entry is kept
+    as the user chose when its path equals, lies under or lies above a path in `overrides` (so
+    `workload.max_tokens=8` keeps that key, `attention=flashinfer` keeps the whole attention group, and a
+    user key under a group keeps a `gpu:` group option from replacing that group). Returns the config with
+    `gpu_applied` set to the merged paths ([] when nothing was applied); a config that already has
+    `gpu_applied` (a recorded run being reproduced) is returned as is. `gpu: null` applies nothing."""
+    if cfg.get("gpu_applied") is not None:
+        return cfg
+    applied: list[str] = []
+    entries = gpu_entries(cfg) if cfg.get("gpu") and (cuda if cuda is not None else cuda_device(cfg)) else []
+    user = override_paths(overrides)
+    kept = [path for path, _ in entries if _overlaps(path, user)]
+    if entries:
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        for path, value in entries:
+            if path in kept:
+                continue
+            if isinstance(value, str) and "." not in path and (CONF_DIR / path).is_dir():
+                cfg[path] = OmegaConf.load(CONF_DIR / path / f"{value}.yaml")
+            else:
+                OmegaConf.update(cfg, path, value, merge=False)
+            applied.append(path)
+        print(f"gpu: device is CUDA: applied the preset's GPU sizes ({', '.join(applied) or 'none'}"
+              + (f"; kept from the command line: {', '.join(kept)}" if kept else "")
+              + "); off with gpu=null", flush=True)
+    with open_dict(cfg):
+        cfg.gpu_applied = applied
+    return cfg
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

@@ -165,7 +165,7 @@ TABLES: dict[str, Table] = {
         what="mamba preset at GPU size: state bytes per request and decode speed of Mamba2 (mamba_triton) vs a "
              "same-size dense GQA Llama",
         device="cuda", measured_on="NVIDIA H200", minutes="~2 min",
-        sweep=(*_ZOO, "experiment=mamba", "attention=triton", "+attention.mamba_backend=mamba_triton", *_ZOO_LOAD),
+        sweep=(*_ZOO, "experiment=mamba", "attention=triton", "++attention.mamba_backend=mamba_triton", *_ZOO_LOAD),
         repeat_key="seed", title="Mamba2 vs dense GQA (H200)",
         about="Random Mamba2 (hidden 256, 4 layers, 16 heads of 32, state 64; conv + SSM state slots per request, "
               "mamba_triton kernels) against random-llama (hidden 256, 4 layers) in the same process: 64 code prompts "
@@ -197,8 +197,9 @@ TABLES: dict[str, Table] = {
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
         device="cuda", measured_on="NVIDIA H200", minutes="~6 min (estimate: 12 jobs)",
-        sweep=("experiment=eagle3", "device=cuda", "attention=triton", "logger=jsonl", "runner.max_num_seqs=1,8",
-               "spec.num_speculative_tokens=3,5", "workload.num_requests=16", "workload.max_tokens=128"),
+        sweep=("experiment=eagle3", "gpu=null", "device=cuda", "attention=triton", "logger=jsonl",
+               "runner.max_num_seqs=1,8", "spec.num_speculative_tokens=3,5", "workload.num_requests=16",
+               "workload.max_tokens=128"),
         smoke=("device=cpu", "attention=torch_ref", "logger=none", "workload.num_requests=2",
                "workload.max_tokens=8"),
         plots={"report_speedup_vs_spec.num_speculative_tokens.png": "spec_eagle3_tiny_h200_speedup.png"},
