@@ -2,12 +2,17 @@
 # What the last session left for a GPU (see the issues' closing notes), in the order to run it. One H200;
 # each block fits one 10-minute device call. From the repository root (or a `git archive HEAD` copy of it),
 # with hydra/omegaconf/flashinfer wheels installed and RESEARCH_LM_COMMIT / BENCH_COMMIT set to the commit.
-#   bash experiments/gpu_pending.sh tests | decode | throughput | spec_tiny | spec_ablation B | zoo256
+#   bash experiments/gpu_pending.sh tests | presets | decode | throughput | spec_tiny | spec_ablation B | zoo256
 set -euo pipefail
 case ${1:-tests} in
   tests)  # GPU tests written but not run since their change (graph logits/argmax, compile)
     python -m pytest -m gpu tests/test_cuda_graphs.py tests/engine/test_compile.py tests/engine/test_gpu_engine.py \
       tests/attention_zoo -p no:cacheprovider -rfE -q ;;
+  presets)  # every preset's gpu: block, never run on a GPU yet: each preset once, with no arguments
+    mkdir -p outputs
+    for p in mla sliding_window mamba ngram eagle3 eagle medusa draft_model attention_ablation; do
+      python -m research_lm experiment=$p logger=jsonl > outputs/preset_$p.log 2>&1 && echo "ok $p" || echo "FAILED $p"
+    done ;;
   decode) python -m experiments.paper bench_decode ;;          # re-measure after the graph logits change
   throughput) python -m experiments.paper bench_throughput ;;  # still session 1's single run
   spec_tiny) python -m experiments.paper spec_eagle3_tiny_h200 ;;
