@@ -268,7 +268,7 @@ def hf_rows(args, prompt: list[int], device: torch.device, dtype: torch.dtype) -
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--backend", default="triton")
     p.add_argument("--tiny", action="store_true", help="a tiny shape: a smoke run of the code paths")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def measure(args) -> dict[str, Any]:
     """One repeat of the whole table: the ceiling, the research_lm rows and transformers' rows."""
     device = torch.device(args.device)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    dtype = getattr(torch, args.dtype)  # --dtype choices are torch dtype names
     shape = TINY if args.tiny else LLAMA_3_2_1B
     copy_bw = copy_bandwidth(device)
     path = model_dir(shape)

@@ -164,7 +164,7 @@ def hf_rows(args, device: torch.device, dtype: torch.dtype, shape: dict[str, Any
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--backend", default="triton")
     p.add_argument("--tiny", action="store_true", help="a tiny shape: a smoke run of the code paths")
     p.add_argument("--num-requests", type=int, default=256)
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def measure(args) -> dict[str, Any]:
     """One repeat of the whole table: the ceilings and roofline, research_lm's rows, transformers' row."""
     device = torch.device(args.device)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    dtype = getattr(torch, args.dtype)  # --dtype choices are torch dtype names
     shape = TINY if args.tiny else LLAMA_3_2_1B
     args.vocab = shape["vocab_size"]
     copy_bw, flops = copy_bandwidth(device), matmul_flops(device, dtype)
