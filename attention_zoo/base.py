@@ -43,6 +43,9 @@ class BackendCapabilities:
     kinds: frozenset[str] = frozenset({"attention"})
     sliding_window: bool = False
     cuda_graphs: bool = False
+    # A captured graph may also hold steps of several query tokens per request (spec verification):
+    # the launch plan fixed at capture serves any query lengths up to the captured one.
+    cuda_graphs_multi_token: bool = False
 
     def missing(self, spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str | None:
         """A sentence naming what this backend lacks for (spec, device, dtype), or None if it serves it."""

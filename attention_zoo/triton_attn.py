@@ -114,6 +114,7 @@ class TritonAttentionBackend(AttentionBackend):
         kinds=frozenset({"attention"}),
         sliding_window=True,
         cuda_graphs=True,
+        cuda_graphs_multi_token=True,  # grid and tile depend only on num_tokens, num_reqs and max_query_len > 1
     )
 
     @classmethod

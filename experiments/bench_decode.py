@@ -97,12 +97,12 @@ def decode_steps(engine, prompt: list[int], warmup: int, steps: int) -> list[flo
 
 def forward_alone_ms(engine, device: torch.device) -> float:
     """One decode token's forward over the step buffers (graph replay when captured), as the step runs it."""
-    from research_lm.cuda_graphs import decode_metadata
+    from research_lm.cuda_graphs import graph_metadata
 
     runner = engine.runner
     buf = runner.buffers
     seq_len = int(buf.seq_lens.np[0])  # left by the last step
-    common = decode_metadata(buf, 1, runner.block_size, max_seq_len=seq_len)
+    common = graph_metadata(buf, 1, runner.block_size, max_seq_len=seq_len)
     if runner.cuda_graphs is not None:
         return gpu_ms(lambda: runner.cuda_graphs.run(common), device)
     ids, pos = buf.input_ids.gpu[:1], buf.positions.gpu[:1]

@@ -1,32 +1,41 @@
-"""CUDA graphs for pure-decode steps: one graph per padded batch size, replayed over the step buffers.
+"""CUDA graphs for decode and spec-verify steps: one graph per (padded batch size, query length),
+replayed over the step buffers.
 
-A decode step of n requests runs the graph captured for the smallest size B >= n; prefill, mixed and
-verification steps, and batches larger than the largest size, run eagerly. A graph holds the model
-forward and, given `compute_logits`, the logits of every row and their argmax:
+A decode step of n requests runs the graph captured for the smallest size B >= n with query length 1.
+With a proposer of k drafts, graphs of query length q = k + 1 are captured too (where every attention
+backend declares `cuda_graphs_multi_token`): a step whose longest query is 2 .. q tokens (a verify step,
+requests with fewer drafts, short prompt chunks riding along) runs the graph of the smallest B >= n,
+its B * q token rows holding the step's T <= n * q tokens. Longer prefills, and batches larger than the
+largest size, run eagerly. A graph holds the model forward and, given `compute_logits`, the logits of
+every token row and their argmax:
 
-    hidden = model(input_ids[:B], positions[:B])        # [B, hidden]
-    logits[:B] = compute_logits(hidden)                 # [B, vocab] fp32, a persistent buffer
-    greedy_ids[:B] = logits[:B].argmax(-1)              # [B] int64, a persistent buffer
+    hidden = model(input_ids[:B*q], positions[:B*q])    # [B*q, hidden]
+    logits[:B*q] = compute_logits(hidden)               # [B*q, vocab] fp32, a persistent buffer
+    greedy_ids[:B*q] = logits[:B*q].argmax(-1)          # [B*q] int64, a persistent buffer
 
-In a pure-decode step each request samples exactly its one row (logits_indices = arange(n)), so the
-runner hands logits[:n] to the sampler, or, when the sampler would return argmax(raw logits) anyway
-(`SamplingBatch.argmax_only`: all greedy, no penalty, min_tokens ban or logprobs), takes greedy_ids[:n]
-directly: such a step is one replay and one device -> host copy of n token ids.
+When every token of the step is sampled (a decode, or a verify step: the k + 1 rows of each request),
+the runner hands logits[:T] to the sampler or the rejection sampler, or, when the sampler would return
+argmax(raw logits) anyway (`SamplingBatch.argmax_only`: all greedy, no penalty, min_tokens ban or
+logprobs), takes greedy_ids[:T] directly: such a decode step is one replay and one device -> host copy
+of n token ids. Otherwise it gathers the sampled rows from the graph's logits.
 
-Memory: the two buffers are sized by the largest captured size, max(sizes) x vocab x 4 bytes of
-logits (256 MB for 512 x 128k) plus max(sizes) x 8 bytes of ids; the capture pool also keeps the
-largest size's transient lm_head output (for a bf16 model another 1.5x the logits buffer), since
+Memory: the two buffers are sized by the largest captured B * q, max(B * q) x vocab x 4 bytes of
+logits (256 MB for 512 x 128k) plus max(B * q) x 8 bytes of ids; the capture pool also keeps the
+largest graph's transient lm_head output (for a bf16 model another 1.5x the logits buffer), since
 pool memory is not handed back while the graphs live. Smaller `cuda_graph_sizes` shrink both.
 
 NOTE: a graph replays the device addresses it saw at capture: the weights, the KV cache, and the
-runner's persistent step buffers. Every input of the forward is a prefix view (rows 0 .. B) of a
-buffer allocated once (`StepBuffers`), so the record a step builds points where the capture's did;
-`buffer_addresses` lists those addresses and the tests compare them step after step. The launch plan
-(tile shape, split-KV count) is fixed at capture from host integers: B and max_model_len.
+runner's persistent step buffers. Every input of the forward is a prefix view (rows 0 .. B, tokens
+0 .. B*q) of a buffer allocated once (`StepBuffers`), so the record a step builds points where the
+capture's did; `buffer_addresses` lists those addresses and the tests compare them step after step.
+The launch plan (tile shape, split-KV count, grid) is fixed at capture from host integers: B, B*q, q
+and max_model_len; the Triton kernel's grid is an upper bound that reads each request's extent from
+query_start_loc, so any T <= B*q tokens of n <= B requests with queries of 2 .. q tokens fit.
 
-Padded rows n .. B have query length 0 (query_start_loc repeats its last value), seq_len 0, slot -1
-(no KV write), request row -1, and token 0 at position 0: attention skips them, and every other op
-of the forward, the lm_head and the argmax are row-wise, so nothing computed for them reaches a real row.
+Padding: token rows T .. B*q get token 0 at position 0 and slot -1 (no KV write); request rows n .. B
+have query length 0 (query_start_loc repeats T), seq_len 0 and request row -1: attention skips them,
+and every other op of the forward, the lm_head and the argmax are row-wise, so nothing computed for
+them reaches a real row.
 """
 
 from __future__ import annotations
@@ -68,27 +77,33 @@ def unsupported_reason(model: torch.nn.Module, backends: Sequence[Any], device: 
     return None
 
 
-def pad_decode_inputs(buf: StepBuffers, num_reqs: int, padded: int) -> None:
-    """Write padding rows num_reqs .. padded into the host side of the step buffers (numpy, no copies).
-
-    Rows < num_reqs (one token per request, written by the runner) are left as they are.
-    """
-    n, b = num_reqs, padded
-    buf.input_ids.np[n:b] = 0
-    buf.positions.np[n:b] = 0
-    buf.slot_mapping.np[n:b] = -1
+def pad_step_inputs(buf: StepBuffers, num_reqs: int, num_tokens: int, padded_reqs: int, padded_tokens: int) -> None:
+    """Write padding token rows num_tokens .. padded_tokens and request rows num_reqs .. padded_reqs
+    into the host side of the step buffers (numpy, no copies); the step's own rows are left as they are."""
+    t, tp, n, b = num_tokens, padded_tokens, num_reqs, padded_reqs
+    buf.input_ids.np[t:tp] = 0
+    buf.positions.np[t:tp] = 0
+    buf.slot_mapping.np[t:tp] = -1
     buf.query_start_loc.np[n + 1 : b + 1] = buf.query_start_loc.np[n]
     buf.seq_lens.np[n:b] = 0
     buf.num_computed.np[n:b] = 0
     buf.request_rows.np[n:b] = -1
 
 
-def decode_metadata(buf: StepBuffers, padded: int, block_size: int, max_seq_len: int) -> CommonAttentionMetadata:
-    """The record of a padded decode batch: views over the device buffers, made once at capture.
+def pad_decode_inputs(buf: StepBuffers, num_reqs: int, padded: int) -> None:
+    """`pad_step_inputs` for a decode step: one token per request."""
+    pad_step_inputs(buf, num_reqs, num_reqs, padded, padded)
+
+
+def graph_metadata(
+    buf: StepBuffers, padded: int, block_size: int, max_seq_len: int, query_len: int = 1
+) -> CommonAttentionMetadata:
+    """The record of a padded batch of `padded` requests x `query_len` tokens: views over the device
+    buffers, made once at capture.
 
     max_seq_len is the largest the graph must serve (max_model_len), so the launch plan it fixes fits
     every step it replays for."""
-    b = padded
+    b, t = padded, padded * query_len
     return CommonAttentionMetadata(
         query_start_loc=buf.query_start_loc.gpu[: b + 1],
         query_start_loc_cpu=buf.query_start_loc.cpu[: b + 1],
@@ -96,11 +111,11 @@ def decode_metadata(buf: StepBuffers, padded: int, block_size: int, max_seq_len:
         seq_lens_cpu=buf.seq_lens.cpu[:b],
         num_computed_tokens_cpu=buf.num_computed.cpu[:b],
         block_table=buf.block_table.gpu[:b],
-        slot_mapping=buf.slot_mapping.gpu[:b],
+        slot_mapping=buf.slot_mapping.gpu[:t],
         request_rows=buf.request_rows.gpu[:b],
         num_reqs=b,
-        num_tokens=b,
-        max_query_len=1,
+        num_tokens=t,
+        max_query_len=query_len,
         max_seq_len=max_seq_len,
         block_size=block_size,
     )
@@ -109,7 +124,7 @@ def decode_metadata(buf: StepBuffers, padded: int, block_size: int, max_seq_len:
 def buffer_addresses(buf: StepBuffers, common: CommonAttentionMetadata | None = None) -> dict[str, int]:
     """data_ptr of every device tensor a decode forward reads, from `common` or else the buffers."""
     if common is None:
-        common = decode_metadata(buf, 1, 1, 1)
+        common = graph_metadata(buf, 1, 1, 1)
     return {
         "input_ids": buf.input_ids.gpu.data_ptr(),
         "positions": buf.positions.gpu.data_ptr(),
@@ -144,11 +159,11 @@ def eager_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]
 
 @dataclass
 class GraphStep:
-    """What a replay leaves for the runner: views of rows 0 .. num_reqs, valid until the next replay."""
+    """What a replay leaves for the runner: views of token rows 0 .. num_tokens, valid until the next replay."""
 
-    out: Outputs  # the forward's result: hidden [num_reqs, hidden] (and aux hidden states)
-    logits: torch.Tensor | None  # [num_reqs, vocab] fp32, one row per request; None: not captured
-    greedy_ids: torch.Tensor | None  # [num_reqs] int64, logits.argmax(-1); None: not captured
+    out: Outputs  # the forward's result: hidden [num_tokens, hidden] (and aux hidden states)
+    logits: torch.Tensor | None  # [num_tokens, vocab] fp32, one row per token; None: not captured
+    greedy_ids: torch.Tensor | None  # [num_tokens] int64, logits.argmax(-1); None: not captured
 
 
 def _head(out: Outputs, n: int) -> Outputs:
@@ -158,10 +173,11 @@ def _head(out: Outputs, n: int) -> Outputs:
 
 
 class DecodeGraphs:
-    """Captured decode steps keyed by padded batch size; `covers` says whether a step can replay one.
+    """Captured steps keyed by (padded batch size, query length); `covers` says whether a step can replay one.
 
-    compute_logits ([n, hidden] -> [n, vocab] fp32) and vocab_size, both or neither: with them the
-    graphs also fill `logits` and `greedy_ids`; without, they hold the forward only."""
+    query_lens: 1 (decode) and, for spec decoding, k + 1 (verification). compute_logits ([n, hidden] ->
+    [n, vocab] fp32) and vocab_size, both or neither: with them the graphs also fill `logits` and
+    `greedy_ids`; without, they hold the forward only."""
 
     def __init__(
         self,
@@ -172,80 +188,96 @@ class DecodeGraphs:
         sizes: Sequence[int],
         block_size: int,
         max_seq_len: int,
+        query_lens: Sequence[int] = (1,),
         compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
         vocab_size: int | None = None,
         capture: Capture = cuda_graph_capture,
     ):
         assert (compute_logits is None) == (vocab_size is None), "compute_logits needs vocab_size"
         self.buffers = buffers
-        # A decode batch has at most max_num_seqs requests and max_num_batched_tokens tokens.
-        largest = min(buffers.max_num_reqs, buffers.max_num_tokens)
-        self.sizes = sorted(s for s in set(sizes) if 1 <= s <= largest)
-        self.addresses: dict[int, dict[str, int]] = {}
-        self._replay: dict[int, Callable[[], Outputs]] = {}
+        # At most max_num_seqs requests and max_num_batched_tokens tokens per step.
+        self.sizes: dict[int, list[int]] = {}  # query length -> captured batch sizes, ascending
+        for q in sorted(set(query_lens)):
+            fit = sorted(s for s in set(sizes) if 1 <= s <= buffers.max_num_reqs and s * q <= buffers.max_num_tokens)
+            if fit:
+                self.sizes[q] = fit
+        self.addresses: dict[tuple[int, int], dict[str, int]] = {}  # (B, q) -> buffer addresses at capture
+        self._replay: dict[tuple[int, int], Callable[[], Outputs]] = {}
         self.compute_logits = compute_logits
-        self.logits: torch.Tensor | None = None  # [max(sizes), vocab] fp32
-        self.greedy_ids: torch.Tensor | None = None  # [max(sizes)] int64
-        if compute_logits is not None and self.sizes:
+        self.logits: torch.Tensor | None = None  # [max(B * q), vocab] fp32
+        self.greedy_ids: torch.Tensor | None = None  # [max(B * q)] int64
+        keys = sorted(((b, q) for q, bs in self.sizes.items() for b in bs), key=lambda k: k[0] * k[1])
+        if compute_logits is not None and keys:
             device = buffers.input_ids.gpu.device
-            self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
-            self.greedy_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
+            rows = keys[-1][0] * keys[-1][1]
+            self.logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
+            self.greedy_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         pool = torch.cuda.graph_pool_handle() if capture is cuda_graph_capture else None
-        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            self._replay[b] = self._capture_one(model, backends, b, block_size, max_seq_len, capture, pool)
+        for b, q in reversed(keys):  # largest first: the smaller ones reuse its pool memory
+            self._replay[b, q] = self._capture_one(model, backends, b, q, block_size, max_seq_len, capture, pool)
 
     @torch.inference_mode()
-    def _capture_one(self, model, backends, b, block_size, max_seq_len, capture, pool):
-        buf = self.buffers
-        # b requests, each one token at position 0 of the null block 0, writing no KV.
-        pad_decode_inputs(buf, 0, b)
-        buf.query_start_loc.np[: b + 1] = range(b + 1)
-        buf.seq_lens.np[:b] = 1
+    def _capture_one(self, model, backends, b, q, block_size, max_seq_len, capture, pool):
+        buf, t = self.buffers, b * q
+        # b requests of q tokens at positions 0 .. q-1 of the null block 0, writing no KV.
+        pad_step_inputs(buf, 0, 0, b, t)
+        buf.query_start_loc.np[: b + 1] = range(0, t + 1, q)
+        buf.positions.np[:t] = list(range(q)) * b
+        buf.seq_lens.np[:b] = q
         buf.block_table.np[:b] = 0
-        for x in (buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens, buf.num_computed,
-                  buf.request_rows, buf.block_table):
-            x.copy_to_gpu(b)
-        buf.query_start_loc.copy_to_gpu(b + 1)
-        common = decode_metadata(buf, b, block_size, max_seq_len)
+        for x, rows in ((buf.input_ids, t), (buf.positions, t), (buf.slot_mapping, t), (buf.seq_lens, b),
+                        (buf.num_computed, b), (buf.request_rows, b), (buf.block_table, b),
+                        (buf.query_start_loc, b + 1)):
+            x.copy_to_gpu(rows)
+        common = graph_metadata(buf, b, block_size, max_seq_len, q)
         metadata = {backend.name: backend.build_metadata(common) for backend in backends}
-        input_ids, positions = buf.input_ids.gpu[:b], buf.positions.gpu[:b]
+        input_ids, positions = buf.input_ids.gpu[:t], buf.positions.gpu[:t]
 
         def step() -> Outputs:
             out = model(input_ids, positions, metadata)
             if self.compute_logits is not None:
-                hidden = out[0] if isinstance(out, tuple) else out  # [b, hidden]
-                logits = self.logits[:b]
-                logits.copy_(self.compute_logits(hidden))  # the buffer: every size's graph writes it
-                torch.argmax(logits, dim=-1, out=self.greedy_ids[:b])
+                hidden = out[0] if isinstance(out, tuple) else out  # [t, hidden]
+                logits = self.logits[:t]
+                logits.copy_(self.compute_logits(hidden))  # the buffer: every graph writes it
+                torch.argmax(logits, dim=-1, out=self.greedy_ids[:t])
             return out
 
         replay = capture(step, pool)
-        self.addresses[b] = buffer_addresses(buf, common)
+        self.addresses[b, q] = buffer_addresses(buf, common)
         if self.logits is not None:
-            self.addresses[b] |= {"logits": self.logits.data_ptr(), "greedy_ids": self.greedy_ids.data_ptr()}
+            self.addresses[b, q] |= {"logits": self.logits.data_ptr(), "greedy_ids": self.greedy_ids.data_ptr()}
         return replay
 
-    def padded_size(self, common: CommonAttentionMetadata) -> int | None:
-        """The captured size this step replays, or None when it runs eagerly."""
-        if not common.is_pure_decode or common.num_tokens != common.num_reqs:
-            return None
-        i = bisect.bisect_left(self.sizes, common.num_reqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+    def padded_size(self, common: CommonAttentionMetadata) -> tuple[int, int] | None:
+        """The captured (batch size, query length) this step replays, or None when it runs eagerly.
+
+        Query length 1 serves pure decode only (its launch plan is the decode one); a longer one
+        serves any step whose queries are at most that long."""
+        need = common.max_query_len
+        for q, sizes in self.sizes.items():
+            if q == need or (need > 1 and q > need):
+                i = bisect.bisect_left(sizes, common.num_reqs)
+                if i < len(sizes):
+                    return sizes[i], q
+        return None
 
     def covers(self, common: CommonAttentionMetadata) -> bool:
         return self.padded_size(common) is not None
 
     def run(self, common: CommonAttentionMetadata) -> GraphStep:
-        """Pad the step buffers (rows < num_reqs hold this step's inputs) and replay: rows 0 .. num_reqs of
-        the forward's outputs (and of logits, greedy_ids), views valid until the next replay."""
-        b, n = self.padded_size(common), common.num_reqs
-        assert b is not None, "run() on a step the graphs do not cover"
+        """Pad the step buffers (rows < num_reqs and tokens < num_tokens hold this step's inputs) and
+        replay: token rows 0 .. num_tokens of the forward's outputs (and of logits, greedy_ids), views
+        valid until the next replay."""
+        key = self.padded_size(common)
+        assert key is not None, "run() on a step the graphs do not cover"
+        (b, q), n, t = key, common.num_reqs, common.num_tokens
         buf = self.buffers
-        pad_decode_inputs(buf, n, b)
-        for x in (buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens):
-            x.copy_to_gpu(b)
+        pad_step_inputs(buf, n, t, b, b * q)
+        for x in (buf.input_ids, buf.positions, buf.slot_mapping):
+            x.copy_to_gpu(b * q)
+        buf.seq_lens.copy_to_gpu(b)
         buf.query_start_loc.copy_to_gpu(b + 1)
-        out = _head(self._replay[b](), n)
+        out = _head(self._replay[key](), t)
         if self.logits is None:
             return GraphStep(out, None, None)
-        return GraphStep(out, self.logits[:n], self.greedy_ids[:n])
+        return GraphStep(out, self.logits[:t], self.greedy_ids[:t])

@@ -2,9 +2,10 @@
 
 One step = update rows → prepare inputs → attention metadata → forward (CUDA graph or eager) → logits →
 sample or verify → propose.
-A pure-decode step covered by a CUDA graph replays forward, logits and their argmax in one graph; an
-all-greedy batch without penalties, min_tokens or logprobs then takes the graph's argmax as its tokens
-(one replay, one device -> host copy of the ids), any other batch samples from the graph's logits.
+A decode or verify step covered by a CUDA graph replays forward, logits and their argmax in one graph;
+an all-greedy decode batch without penalties, min_tokens or logprobs then takes the graph's argmax as its
+tokens (one replay, one device -> host copy of the ids), any other batch samples (or rejection-samples)
+from the graph's logits.
 Each stage lives in a sibling module and enters here in one line; keep it that way.
 """
 
@@ -18,7 +19,7 @@ import torch
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.buffers import StepBuffers, slots_for_positions
 from research_lm.compilation import compile_forward
-from research_lm.cuda_graphs import DecodeGraphs, default_capture_sizes, unsupported_reason
+from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, default_capture_sizes, unsupported_reason
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import Logprob
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, compute_probs
@@ -99,15 +100,25 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, sizes: list[int] | None = None) -> str | None:
         """Capture decode graphs (forward, logits, argmax) over the KV cache (allocated, and never again
-        after); None, or why not."""
+        after), verify graphs of k + 1 tokens per request with a proposer whose backends allow it, and
+        the proposer's own draft graphs; None, or why not."""
         reason = unsupported_reason(self.model, self.backends, self.device)
-        if reason is None:
-            self.cuda_graphs = DecodeGraphs(
-                self.forward, self.buffers, self.backends, sizes=sizes or default_capture_sizes(self.max_num_seqs),
-                block_size=self.block_size, max_seq_len=self.max_model_len,
-                compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
-            )
-        return reason
+        if reason is not None:
+            return reason
+        sizes = sizes or default_capture_sizes(self.max_num_seqs)
+        query_lens = [1]
+        if self.proposer is not None and all(b.capabilities.cuda_graphs_multi_token for b in self.backends):
+            query_lens.append(self.proposer.num_speculative_tokens + 1)
+        self.cuda_graphs = DecodeGraphs(
+            self.forward, self.buffers, self.backends, sizes=sizes, query_lens=query_lens,
+            block_size=self.block_size, max_seq_len=self.max_model_len,
+            compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
+        )
+        capture_drafts = getattr(self.proposer, "capture_cuda_graphs", None)
+        if capture_drafts is not None:
+            capture_drafts(sizes=sizes, capture=cuda_graph_capture, block_size=self.block_size,
+                           max_blocks_per_req=self.buffers.block_table.gpu.shape[1])
+        return None
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,11 +144,14 @@ class ModelRunner:
         hidden, aux = out if isinstance(out, tuple) else (out, None)
 
         greedy_ids = None  # [num_sample_rows] int64, argmax of logits, when the graph computed it
-        if graph is not None and graph.logits is not None and len(sample_rows) == common.num_reqs:
-            logits, greedy_ids = graph.logits, graph.greedy_ids  # a row per request: logits_indices = arange
+        if graph is not None and graph.logits is not None and len(sample_rows) == common.num_tokens:
+            logits, greedy_ids = graph.logits, graph.greedy_ids  # every token sampled: logits_indices = arange
         else:
             logits_indices = self.buffers.logits_indices.copy_to_gpu(len(sample_rows))
-            logits = self.model.compute_logits(hidden[logits_indices])  # [num_sample_rows, vocab]
+            if graph is not None and graph.logits is not None:  # the graph computed every row's logits
+                logits = graph.logits[logits_indices]
+            else:
+                logits = self.model.compute_logits(hidden[logits_indices])  # [num_sample_rows, vocab]
         emitted, logprobs, num_rejected = self._sample_or_verify(sched.scheduled, sample_rows, logits, greedy_ids)
 
         output = RunnerOutput(

@@ -20,9 +20,9 @@ from research_lm.buffers import StepBuffers
 from research_lm.cuda_graphs import (
     DecodeGraphs,
     buffer_addresses,
-    decode_metadata,
     default_capture_sizes,
     eager_capture,
+    graph_metadata,
     pad_decode_inputs,
     unsupported_reason,
 )
@@ -56,11 +56,11 @@ def test_pad_decode_inputs_marks_rows_past_the_batch_as_empty():
     assert query_lens.tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
 
 
-def test_decode_metadata_is_views_of_the_buffers():
+def test_graph_metadata_is_views_of_the_buffers():
     buf = StepBuffers(max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
     base = buffer_addresses(buf)
     for b in (1, 4, 8):
-        common = decode_metadata(buf, b, block_size=16, max_seq_len=64)
+        common = graph_metadata(buf, b, block_size=16, max_seq_len=64)
         assert buffer_addresses(buf, common) == base
         assert (common.num_reqs, common.num_tokens, common.max_query_len) == (b, b, 1)
         assert common.query_start_loc.shape == (b + 1,) and common.block_table.shape == (b, 4)
@@ -76,13 +76,63 @@ def test_padded_size_picks_the_smallest_captured_size_and_refuses_other_steps():
     buf = StepBuffers(max_num_tokens=64, max_num_reqs=16, max_blocks_per_req=4, device=CPU)
     graphs = DecodeGraphs(_Recorder(), buf, [], sizes=[1, 2, 4, 8, 99], block_size=16, max_seq_len=64,
                           capture=eager_capture)
-    assert graphs.sizes == [1, 2, 4, 8]  # sizes past max_num_seqs are dropped
-    assert sorted(graphs.addresses) == [1, 2, 4, 8]
-    decode = [decode_metadata(buf, n, 16, 64) for n in range(1, 11)]
-    assert [graphs.padded_size(c) for c in decode] == [1, 2, 4, 4, 8, 8, 8, 8, None, None]
-    prefill = decode_metadata(buf, 2, 16, 64)
+    assert graphs.sizes == {1: [1, 2, 4, 8]}  # sizes past max_num_seqs are dropped
+    assert sorted(graphs.addresses) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    decode = [graph_metadata(buf, n, 16, 64) for n in range(1, 11)]
+    assert [graphs.padded_size(c) for c in decode] == [(1, 1), (2, 1), (4, 1), (4, 1)] + [(8, 1)] * 4 + [None] * 2
+    prefill = graph_metadata(buf, 2, 16, 64)
     prefill.max_query_len, prefill.num_tokens = 3, 4
     assert graphs.padded_size(prefill) is None
+
+
+def test_verify_graphs_serve_queries_up_to_their_length_within_the_token_budget():
+    """Query length 4 (k = 3 drafts): sizes whose B * 4 tokens fit the budget of 16; a step whose longest
+    query is 2 .. 4 tokens replays the smallest B >= n; decode steps keep the query-length-1 graphs."""
+    buf = StepBuffers(max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
+    graphs = DecodeGraphs(_Recorder(), buf, [], sizes=[1, 2, 4, 8], query_lens=[1, 4], block_size=16,
+                          max_seq_len=64, capture=eager_capture)
+    assert graphs.sizes == {1: [1, 2, 4, 8], 4: [1, 2, 4]}
+    verify = graph_metadata(buf, 3, 16, 64, query_len=4)
+    assert (verify.num_tokens, verify.max_query_len, verify.is_pure_decode) == (12, 4, False)
+    assert graphs.padded_size(verify) == (4, 4)
+    verify.max_query_len, verify.num_tokens = 2, 5  # fewer drafts: lengths (2, 2, 1)
+    assert graphs.padded_size(verify) == (4, 4)
+    assert graphs.padded_size(graph_metadata(buf, 3, 16, 64)) == (4, 1)
+    too_long = graph_metadata(buf, 1, 16, 64, query_len=5)
+    assert graphs.padded_size(too_long) is None
+    assert graphs.padded_size(graph_metadata(buf, 5, 16, 64, query_len=3)) is None  # 8 x 4 > 16 tokens
+
+
+def test_verify_replay_pads_tokens_and_requests():
+    """Three requests of 2, 3, 1 tokens in the (4 requests, 3 tokens) graph: token rows 6 .. 12 and
+    request row 3 are padding (token 0, slot -1, query length 0); the step's rows come back."""
+    buf = StepBuffers(max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
+    seen = {}
+
+    class Spy(_Recorder):
+        def forward(self, input_ids, positions, attn_metadata):
+            seen.update(ids=input_ids.tolist(), slots=attn_metadata["spy"].slot_mapping.tolist(),
+                        qsl=attn_metadata["spy"].query_start_loc.tolist(), n=attn_metadata["spy"].num_tokens)
+            return super().forward(input_ids, positions, attn_metadata)
+
+    class SpyBackend:
+        name = "spy"
+
+        @staticmethod
+        def build_metadata(common):
+            return common
+
+    graphs = DecodeGraphs(Spy(), buf, [SpyBackend()], sizes=[4], query_lens=[1, 3], block_size=16,
+                          max_seq_len=64, capture=eager_capture)
+    buf.input_ids.np[:6] = [5, 6, 7, 8, 9, 10]
+    buf.slot_mapping.np[:6] = range(20, 26)
+    buf.query_start_loc.np[:4] = [0, 2, 5, 6]
+    common = graph_metadata(buf, 3, 16, 64)
+    common.num_tokens, common.max_query_len = 6, 3
+    step = graphs.run(common)
+    assert seen == dict(ids=[5, 6, 7, 8, 9, 10] + [0] * 6, slots=list(range(20, 26)) + [-1] * 6,
+                        qsl=[0, 2, 5, 6, 6], n=12)
+    assert step.out.flatten().tolist() == [5, 6, 7, 8, 9, 10]
 
 
 def test_unsupported_reason():
@@ -117,7 +167,7 @@ def test_graph_logits_and_argmax_land_in_persistent_buffers():
     for n, ids in [(3, [7, 1, 4]), (1, [9]), (8, [0, 1, 2, 3, 4, 5, 6, 7]), (2, [5, 5])]:
         buf.input_ids.np[:n] = ids
         buf.query_start_loc.np[: n + 1] = np.arange(n + 1)
-        step = graphs.run(decode_metadata(buf, n, 16, 64))
+        step = graphs.run(graph_metadata(buf, n, 16, 64))
         assert step.logits.shape == (n, vocab) and step.greedy_ids.shape == (n,)
         assert (step.logits.data_ptr(), step.greedy_ids.data_ptr()) == (logits_ptr, ids_ptr)
         assert step.greedy_ids.tolist() == ids
@@ -128,8 +178,8 @@ def test_graph_sizes_stop_at_the_token_budget():
     buf = StepBuffers(max_num_tokens=3, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
     graphs = DecodeGraphs(_Recorder(), buf, [], sizes=[1, 2, 4, 8], block_size=16, max_seq_len=64,
                           capture=eager_capture)
-    assert graphs.sizes == [1, 2]
-    assert graphs.logits is None and graphs.run(decode_metadata(buf, 2, 16, 64)).logits is None
+    assert graphs.sizes == {1: [1, 2]}
+    assert graphs.logits is None and graphs.run(graph_metadata(buf, 2, 16, 64)).logits is None
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -223,7 +273,7 @@ def test_padded_replay_matches_eager_on_cpu(cpu_llms):
     assert run.tokens == _eager_tokens(eager, prompts, params)
     assert run.replays == 5  # decode steps: 1 at batch 3 (padded to 4), 2 at 2, 2 at 1
     assert run.sampled == 1  # the prefill step
-    assert all(a == llm.engine.runner.cuda_graphs.addresses[4] for a in run.addresses)
+    assert all(a == llm.engine.runner.cuda_graphs.addresses[4, 1] for a in run.addresses)
 
 
 @cpu_only
@@ -284,6 +334,46 @@ def test_decode_shaped_step_with_a_prompt_chunk_samples_eagerly(tiny_checkpoint)
     assert (run.replays, run.sampled) == (6, 5)
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+def _verify_graph_run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Tokens, and the (batch size, query length) of every replay."""
+    graphs, keys = llm.engine.runner.cuda_graphs, []
+
+    def recording_run(common):
+        keys.append(graphs.padded_size(common))
+        return DecodeGraphs.run(graphs, common)
+
+    graphs.run = recording_run
+    try:
+        return _eager_tokens(llm, prompts, params), keys
+    finally:
+        del graphs.run
+
+
+@cpu_only
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_spec_verify_steps_replay_graphs_on_cpu(tiny_checkpoint, temperature):
+    """ngram drafts (k = 3) on prompts that repeat: verify steps (queries of 2 .. 4 tokens) replay the
+    query-length-4 graphs and emit the eager speculative run's tokens; greedy, also plain decoding's."""
+    path = str(tiny_checkpoint("llama"))
+    eager, llm = (LLM(path, speculative_config=NGRAM, **CPU_KNOBS) for _ in range(2))
+    runner = llm.engine.runner
+    runner.cuda_graphs = DecodeGraphs(
+        runner.forward, runner.buffers, runner.backends, sizes=[1, 2, 4], query_lens=[1, 4],
+        block_size=runner.block_size, max_seq_len=runner.max_model_len,
+        compute_logits=runner.model.compute_logits, vocab_size=runner.vocab_size, capture=eager_capture)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5], [7, 8, 9, 7, 8]]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+              for i, n in enumerate([9, 7, 5])]
+    got, keys = _verify_graph_run(llm, prompts, params)
+    assert got == _eager_tokens(eager, prompts, params)
+    assert (4, 4) in keys  # the first verify step: three requests padded to four
+    if temperature == 0.0:
+        assert got == _eager_tokens(LLM(path, **CPU_KNOBS), prompts, params)
+
+
 # ---- CUDA ----------------------------------------------------------------------------------------
 
 
@@ -314,13 +404,13 @@ def test_graph_replay_matches_eager_on_cuda(dtype, tiny_checkpoint):
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     llm = LLM(path, cuda_graphs=True, **knobs)
     graphs = llm.engine.runner.cuda_graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    assert graphs is not None and graphs.sizes == {1: [1, 2, 4]}
     run = _generate_with_graphs(llm, prompts, params)
     assert run.tokens == want
     assert run.replays == (9 if dtype == "bfloat16" else 11)  # decode steps (the first token comes from prefill)
     assert run.sampled == 1  # the prefill; every decode step took the graph's argmax
-    assert all(a == graphs.addresses[1] for a in run.addresses)
-    assert all(graphs.addresses[b] == graphs.addresses[1] for b in graphs.sizes)
+    assert all(a == graphs.addresses[1, 1] for a in run.addresses)
+    assert all(graphs.addresses[b, 1] == graphs.addresses[1, 1] for b in graphs.sizes[1])
     assert graphs.logits.shape == (4, vocab) and graphs.logits.dtype == torch.float32
 
 
@@ -353,3 +443,22 @@ def test_cuda_graphs_off_for_torch_ref(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("llama")), device="cuda", attention_backend="torch_ref", cuda_graphs=True,
               num_gpu_blocks=16, max_model_len=64)
     assert llm.engine.runner.cuda_graphs is None
+
+
+@pytest.mark.gpu
+def test_spec_verify_graphs_match_eager_on_cuda(tiny_checkpoint):
+    """fp32, the real graphs, ngram drafts (k = 3): verify steps replay the query-length-4 graphs, and
+    greedy tokens equal the eager speculative run's and plain decoding's."""
+    _needs_cuda()
+    path = str(tiny_checkpoint("llama"))
+    knobs = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=4,
+                 max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=64, max_model_len=64,
+                 cuda_graph_sizes=[1, 2, 4])
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5], [7, 8, 9, 7, 8]]
+    params = _params([12, 9, 6])
+    want = _eager_tokens(LLM(path, speculative_config=NGRAM, **knobs), prompts, params)
+    llm = LLM(path, speculative_config=NGRAM, cuda_graphs=True, **knobs)
+    assert llm.engine.runner.cuda_graphs.sizes == {1: [1, 2, 4], 4: [1, 2, 4]}
+    got, keys = _verify_graph_run(llm, prompts, params)
+    assert got == want == _eager_tokens(LLM(path, **knobs), prompts, params)
+    assert (4, 4) in keys
