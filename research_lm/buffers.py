@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
@@ -40,10 +39,3 @@ class StepBuffers:
         self.request_rows = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
         self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
 
-
-def slots_for_positions(
-    block_ids: np.ndarray,  # [num_blocks] int32, the request's block table
-    positions: np.ndarray,  # [n] int64
-    block_size: int,
-) -> np.ndarray:  # [n] int64: flat slot = block * block_size + offset
-    return block_ids[positions // block_size].astype(np.int64) * block_size + positions % block_size

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
-from research_lm.buffers import StepBuffers, slots_for_positions
+from research_lm.buffers import StepBuffers
 from research_lm.compilation import compile_forward
 from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, default_capture_sizes, unsupported_reason
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -182,36 +182,50 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[CommonAttentionMetadata, list[tuple[int, int]]]:
         """Fill the step buffers; return the attention record and (request index, draft offset) per
-        row to sample: one row for a decode, k+1 for verified drafts, none for a mid-prompt chunk."""
+        row to sample: one row for a decode, k+1 for verified drafts, none for a mid-prompt chunk.
+
+        Host cost grows with the batch (256 decodes on every step of a throughput run), so the per-request
+        loop only gathers lists; positions, slots and sample rows are computed in whole-batch numpy."""
         buf, bs = self.buffers, self.block_size
         num_reqs = len(scheduled)
-        sample_rows: list[tuple[int, int]] = []
-        logits_idx: list[int] = []
-        t = max_blocks = 0
-        buf.query_start_loc.np[0] = 0
+        tokens: list[int] = []
+        num_new = np.empty(num_reqs, dtype=np.int64)
+        starts = np.empty(num_reqs, dtype=np.int64)
+        num_drafts = np.empty(num_reqs, dtype=np.int64)
+        samples = np.empty(num_reqs, dtype=bool)  # the chunk reaches the newest token: sample it
+        block_table = buf.block_table.np
+        max_blocks = 0
         for i, s in enumerate(scheduled):
-            req, n = s.request, s.num_new_tokens
+            req, n, drafts = s.request, s.num_new_tokens, s.spec_token_ids
             start = req.num_computed_tokens
-            num_real = n - len(s.spec_token_ids)
-            tokens = req.token_ids_slice(start, start + num_real) + s.spec_token_ids
-            positions = np.arange(start, start + n)
-            block_ids = np.asarray(s.block_ids, dtype=np.int32)
-            row = self.rows.add(req.request_id)
-            buf.input_ids.np[t : t + n] = tokens
-            buf.positions.np[t : t + n] = positions
-            buf.slot_mapping.np[t : t + n] = slots_for_positions(block_ids, positions, bs)
-            buf.block_table.np[i, : len(block_ids)] = block_ids
-            max_blocks = max(max_blocks, len(block_ids))
-            buf.query_start_loc.np[i + 1] = t + n
-            buf.seq_lens.np[i] = start + n
-            buf.num_computed.np[i] = start
-            buf.request_rows.np[i] = row
-            if start + num_real >= req.num_tokens:  # the chunk reaches the newest token: sample
-                for j in range(len(s.spec_token_ids) + 1):
-                    sample_rows.append((i, j))
-                    logits_idx.append(t + num_real - 1 + j)
-            t += n
+            num_real = n - len(drafts)
+            tokens += req.token_ids_slice(start, start + num_real)
+            tokens += drafts
+            num_new[i], starts[i], num_drafts[i] = n, start, len(drafts)
+            samples[i] = start + num_real >= req.num_tokens
+            block_table[i, : len(s.block_ids)] = s.block_ids
+            max_blocks = max(max_blocks, len(s.block_ids))
+            buf.request_rows.np[i] = self.rows.add(req.request_id)
+        qsl = buf.query_start_loc.np[: num_reqs + 1]
+        qsl[0] = 0
+        np.cumsum(num_new, out=qsl[1:])
+        t = int(qsl[-1])
+        req_of_token = np.repeat(np.arange(num_reqs), num_new)  # [t]
+        positions = np.arange(t) - np.repeat(qsl[:-1] - starts, num_new)  # [t]: start .. start + n per request
+        buf.input_ids.np[:t] = tokens
+        buf.positions.np[:t] = positions
+        blocks = block_table[req_of_token, positions // bs].astype(np.int64)
+        np.add(blocks * bs, positions % bs, out=buf.slot_mapping.np[:t])
+        buf.seq_lens.np[:num_reqs] = starts + num_new
+        buf.num_computed.np[:num_reqs] = starts
+        # Sampled rows: the last real token and each draft of every sampling request, in token order.
+        sampling = np.flatnonzero(samples)
+        num_rows = num_drafts[sampling] + 1
+        req_of_row = np.repeat(sampling, num_rows)
+        offset = np.arange(len(req_of_row)) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+        logits_idx = qsl[1:][req_of_row] - np.repeat(num_drafts[sampling], num_rows) - 1 + offset
         buf.logits_indices.np[: len(logits_idx)] = logits_idx
+        sample_rows = list(zip(req_of_row.tolist(), offset.tolist(), strict=True))
         common = CommonAttentionMetadata(
             query_start_loc=buf.query_start_loc.copy_to_gpu(num_reqs + 1),
             query_start_loc_cpu=buf.query_start_loc.cpu[: num_reqs + 1],
@@ -223,7 +237,7 @@ class ModelRunner:
             request_rows=buf.request_rows.copy_to_gpu(num_reqs),
             num_reqs=num_reqs,
             num_tokens=t,
-            max_query_len=max(s.num_new_tokens for s in scheduled),
+            max_query_len=int(num_new.max()),
             max_seq_len=int(buf.seq_lens.np[:num_reqs].max()),
             block_size=bs,
         )
