@@ -33,8 +33,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     speculative_config: dict[str, Any] | None = None
     eplb_config: dict[str, Any] | None = None  # MoE expert placement (conf/eplb); ignored by dense models
-    # Replay pure-decode batches from CUDA graphs, where the device and every attention backend allow it.
-    cuda_graphs: bool = False
+    # Replay decode, spec-verify and drafting steps from CUDA graphs where the device (CUDA) and every
+    # attention backend allow it; elsewhere steps run eagerly (a warning names why, on CUDA).
+    cuda_graphs: bool = True
     cuda_graph_sizes: list[int] | None = None  # padded batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
     # Triton kernels for RMSNorm(+residual), rotary and SiLU*mul on CUDA (research_lm.ops); off: the torch path.
     fused_ops: bool = True

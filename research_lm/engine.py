@@ -84,8 +84,9 @@ class LLMEngine:
         if self.ep is not None:  # the ranks' schedules must match: the same KV budget everywhere
             self.num_blocks = self.ep.agree_min(self.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks, dtype)
-        if config.cuda_graphs and (reason := self.runner.capture_cuda_graphs(config.cuda_graph_sizes)):
-            logger.warning("CUDA graphs are off: %s; decode runs eagerly", reason)
+        capture = config.cuda_graphs and device.type == "cuda"  # CPU runs are always eager
+        if capture and (reason := self.runner.capture_cuda_graphs(config.cuda_graph_sizes)):
+            logger.warning("CUDA graphs are off: %s; every step runs eagerly", reason)
         # after the KV sizing (its profiling forward must not count as expert load)
         self.eplb = build_eplb_controller(self.model, config.eplb_config)
         self.kv_cache = KVCacheManager(

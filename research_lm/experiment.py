@@ -206,7 +206,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         mla_backend=cfg.attention.get("mla_backend", "mla_torch_ref"),
         mamba_backend=cfg.attention.get("mamba_backend", "mamba_torch_ref"),
         eplb_config=OmegaConf.to_container(cfg.eplb, resolve=True) if "eplb" in cfg else None,
-        cuda_graphs=r.get("cuda_graphs", False), cuda_graph_sizes=_list_or_none(r.get("cuda_graph_sizes")),
+        cuda_graphs=r.get("cuda_graphs", True), cuda_graph_sizes=_list_or_none(r.get("cuda_graph_sizes")),
         fused_ops=r.get("fused_ops", True), compile=r.get("compile", False),
         load_format=m.get("load_format", "auto"),
     )

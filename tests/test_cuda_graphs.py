@@ -394,7 +394,7 @@ def test_graph_replay_matches_eager_on_cuda(dtype, tiny_checkpoint):
     path = str(tiny_checkpoint("llama"))
     knobs = dict(dtype=dtype, device="cuda", attention_backend="triton", block_size=4, max_num_batched_tokens=64,
                  max_num_seqs=4, num_gpu_blocks=64, max_model_len=64, cuda_graph_sizes=[1, 2, 4])
-    eager = LLM(path, **knobs)
+    eager = LLM(path, cuda_graphs=False, **knobs)
     assert eager.engine.runner.cuda_graphs is None
     vocab = eager.engine.info.vocab_size
     if dtype == "float32":
@@ -427,7 +427,7 @@ def test_graph_argmax_and_sampler_fallback_match_eager_in_bf16_on_cuda(tiny_chec
                  max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=64, max_model_len=64,
                  cuda_graph_sizes=[1, 2, 4])
     prompts, params = [[i + 1] * 7 for i in range(4)], _params([10] * 4, **first)
-    want = LLM(path, **knobs).generate(prompts, params, use_tqdm=False)
+    want = LLM(path, cuda_graphs=False, **knobs).generate(prompts, params, use_tqdm=False)
     llm = LLM(path, cuda_graphs=True, **knobs)
     run = _generate_with_graphs(llm, prompts, params)
     assert run.tokens == [o.outputs[0].token_ids for o in want]
@@ -456,7 +456,7 @@ def test_spec_verify_graphs_match_eager_on_cuda(tiny_checkpoint):
                  cuda_graph_sizes=[1, 2, 4])
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5], [7, 8, 9, 7, 8]]
     params = _params([12, 9, 6])
-    want = _eager_tokens(LLM(path, speculative_config=NGRAM, **knobs), prompts, params)
+    want = _eager_tokens(LLM(path, speculative_config=NGRAM, cuda_graphs=False, **knobs), prompts, params)
     llm = LLM(path, speculative_config=NGRAM, cuda_graphs=True, **knobs)
     assert llm.engine.runner.cuda_graphs.sizes == {1: [1, 2, 4], 4: [1, 2, 4]}
     got, keys = _verify_graph_run(llm, prompts, params)
