@@ -79,7 +79,7 @@ def research_lm_rows(path: str, args, device: torch.device, temperatures: list[f
         num_gpu_blocks=blocks, enable_prefix_caching=False, cuda_graphs=not args.no_graphs,
     )  # fmt: skip
     graphs = llm.engine.runner.cuda_graphs
-    note = f"CUDA graphs for batch <= {graphs.sizes[-1]}" if graphs else "eager (no CUDA graphs)"
+    note = f"CUDA graphs for batch <= {max(graphs.sizes[1])}" if graphs else "eager (no CUDA graphs)"
     warm = [[t % args.vocab for t in range(200 + 50 * i)] for i in range(8)]
     llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for temperature in temperatures:
