@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU reference target for the spec-decode benchmarks and its four drafters, trained in-framework
 # (self-distillation on the stdlib + pydoc corpus), in the published layouts. One H100/H200, ~5 min.
-#   bash experiments/train_reference.sh [OUT_DIR]   # default outputs/reference
+#   [GPUS=N] bash experiments/train_reference.sh [OUT_DIR]   # default outputs/reference; GPUS: heads side by side
 # OUT_DIR/{target,eagle3,eagle,medusa,draft}; each holds recipe.json (seed, steps, losses, corpus hash).
 # Then: python -m research_lm -m experiment=spec_ablation model=hf model.name=OUT_DIR/target spec=eagle3 \
 #   spec.model=OUT_DIR/eagle3 ...  (experiments/paper/README.md has the full sweep).
@@ -15,7 +15,20 @@ python -m research_lm experiment=train_target $COMMON train.output_dir=$OUT/targ
   train.model.num_attention_heads=6 train.model.num_key_value_heads=2
 HEADS="train.target=$OUT/target train.steps=800 train.warmup_steps=50 train.eval_every=800 \
   train.save_every=800"
-python -m research_lm experiment=train_eagle3 $COMMON $HEADS train.output_dir=$OUT/eagle3 train.head.ttt_steps=3
-python -m research_lm experiment=train_eagle $COMMON $HEADS train.output_dir=$OUT/eagle
-python -m research_lm experiment=train_medusa $COMMON $HEADS train.output_dir=$OUT/medusa train.head.num_heads=5
-python -m research_lm experiment=train_draft $COMMON $HEADS train.output_dir=$OUT/draft
+# The four heads only read the target: with GPUS=N (N > 1) they train side by side, head i on GPU i mod N.
+GPUS=${GPUS:-1}
+i=0; pids=()
+for head in "train_eagle3 eagle3 train.head.ttt_steps=3" "train_eagle eagle" \
+            "train_medusa medusa train.head.num_heads=5" "train_draft draft"; do
+  set -- $head
+  preset=$1; dir=$2; shift 2
+  if [ "$GPUS" -gt 1 ]; then
+    CUDA_VISIBLE_DEVICES=$(( i % GPUS )) python -m research_lm experiment=$preset $COMMON $HEADS \
+      train.output_dir=$OUT/$dir "$@" > $OUT/$dir.log 2>&1 &
+    pids+=($!)
+  else
+    python -m research_lm experiment=$preset $COMMON $HEADS train.output_dir=$OUT/$dir "$@"
+  fi
+  i=$(( i + 1 ))
+done
+for pid in "${pids[@]}"; do wait "$pid"; done

@@ -233,9 +233,10 @@ def resolve(name: str, *, allow_cpu: bool = False) -> tuple[Table, bool]:
 
 
 def run(name: str, *, repeats: int = MIN_REPEATS, out: Path | None = None, allow_cpu: bool = False,
-        extra: tuple[str, ...] = (), sweep_root: Path | None = None) -> Path:
+        extra: tuple[str, ...] = (), sweep_root: Path | None = None, gpus: int = 1) -> Path:
     """Regenerate table `name`: write <out>/<name>.md and .json (and its plots); return the .md path.
-    `out` defaults to experiments/results (outputs/paper for a CPU smoke run of a GPU table)."""
+    `out` defaults to experiments/results (outputs/paper for a CPU smoke run of a GPU table); `gpus` > 1
+    runs a sweep's parts side by side, one per GPU."""
     if repeats < MIN_REPEATS:
         raise PaperError(f"--repeats must be >= {MIN_REPEATS} (each table reports median and spread over repeats)")
     table, smoke = resolve(name, allow_cpu=allow_cpu)
@@ -247,7 +248,7 @@ def run(name: str, *, repeats: int = MIN_REPEATS, out: Path | None = None, allow
         return run_bench(table.bench, args, repeats=repeats, out=out, file_name=file_name)
     overrides = merge_overrides(table.sweep, table.smoke if smoke else (), extra)
     return run_sweep(table, name, overrides, repeats=repeats, out=out, file_name=file_name,
-                     sweep_root=sweep_root or Path("multirun/paper"))
+                     sweep_root=sweep_root or Path("multirun/paper"), gpus=gpus)
 
 
 def import_bench(module: str) -> Any:
@@ -273,16 +274,21 @@ def merge_overrides(*groups: tuple[str, ...]) -> list[str]:
 
 
 def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, out: Path, file_name: str,
-              sweep_root: Path) -> Path:
-    """The Hydra multirun with +repeat=0..N-1 (one per part), its report aggregated over the repeats, the table."""
+              sweep_root: Path, gpus: int = 1) -> Path:
+    """The Hydra multirun with +repeat=0..N-1 (one per part), its report aggregated over the repeats, the table.
+
+    gpus > 1: up to that many parts run at once, part i on GPU i mod gpus (CUDA_VISIBLE_DEVICES), each
+    with its log in <part dir>.log. Every job compares against its own baseline in its own process, so
+    speedups stay like for like; the host is shared, so give each part its own cores' worth of work."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     sweep_dir = Path(sweep_root) / file_name / stamp
     key = "+repeat" if table.repeat_key == "repeat" else table.repeat_key  # `repeat` is not in conf/config.yaml
     if table.prepare is not None and not Path(table.prepare[0]).exists():
         print("+ " + " ".join(table.prepare[1]), flush=True)  # e.g. train the models the sweep measures
-        if subprocess.run(list(table.prepare[1])).returncode != 0:
+        env = {**os.environ, "GPUS": str(gpus)}  # train_reference.sh trains its heads side by side
+        if subprocess.run(list(table.prepare[1]), env=env).returncode != 0:
             raise PaperError(f"{name}: preparing {table.prepare[0]} failed (see above)")
-    commands = []
+    commands, running, failed = [], [], []
     for i, part in enumerate(table.parts or ((),)):
         part_dir = sweep_dir / f"part{i}" if table.parts else sweep_dir
         cmd = [sys.executable, "-m", "research_lm", "-m", *merge_overrides(tuple(overrides), part),
@@ -290,10 +296,31 @@ def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, ou
         commands.append(" ".join(["python", *cmd[1:]]))
         print("+ " + commands[-1], flush=True)
         env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
-        if subprocess.run(cmd, env=env).returncode != 0:
-            raise PaperError(f"{name}: the sweep failed (see its output above; its jobs are in {part_dir})")
+        if gpus <= 1:
+            if subprocess.run(cmd, env=env).returncode != 0:
+                raise PaperError(f"{name}: the sweep failed (see its output above; its jobs are in {part_dir})")
+            continue
+        if len(running) == gpus:  # wait for the oldest part: GPUs are handed out round-robin
+            failed += _wait(running.pop(0))
+        part_dir.mkdir(parents=True, exist_ok=True)
+        log = open(f"{part_dir}.log", "w")  # noqa: SIM115 (closed by _wait)
+        env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+        running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, part_dir))
+    for proc in running:
+        failed += _wait(proc)
+    if failed:
+        raise PaperError(f"{name}: sweep part(s) failed: see {', '.join(f'{d}.log' for d in failed)}")
     return write_sweep_table(table, name, sweep_dir, out=out, file_name=file_name, repeats=repeats,
                              sweep_commands=commands)
+
+
+def _wait(proc: tuple[subprocess.Popen, Any, Path]) -> list[Path]:
+    """Wait for one parallel part; [its dir] when it failed."""
+    popen, log, part_dir = proc
+    code = popen.wait()
+    log.close()
+    print(f"{'done' if code == 0 else 'FAILED'}: {part_dir} (log {part_dir}.log)", flush=True)
+    return [] if code == 0 else [part_dir]
 
 
 def write_sweep_table(table: Table, name: str, sweep_dir: Path, *, out: Path, file_name: str, repeats: int,

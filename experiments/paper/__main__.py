@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="where the table goes (default experiments/results)")
     ap.add_argument("--allow-cpu", action="store_true", help="a GPU table without CUDA: a tiny CPU smoke run instead")
     ap.add_argument("--sweep-dir", type=Path, default=None, help="where sweep tables run (default multirun/paper)")
+    ap.add_argument("--gpus", type=int, default=1, help="run a sweep's parts side by side, one per GPU (round-robin)")
     ap.add_argument("--list", action="store_true", help="print the tables, their commands and devices")
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         md = run(args.table, repeats=args.repeats, out=args.out, allow_cpu=args.allow_cpu, extra=rest,
-                 sweep_root=args.sweep_dir)
+                 sweep_root=args.sweep_dir, gpus=args.gpus)
     except PaperError as e:
         print(f"experiments.paper: error: {e}", file=sys.stderr)
         return 2

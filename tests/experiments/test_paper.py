@@ -136,3 +136,20 @@ def test_a_cpu_table_regenerates_end_to_end_at_a_tiny_size(tmp_path):
     assert [r["policy"] for r in rows] == ["none", "lpt"] and all(len(r["repeats"]["rebalance_ms_median"]) == 3
                                                                    for r in rows)
     assert (tmp_path / "results" / "eplb_ablation_cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_parts_run_side_by_side_with_gpus(tmp_path, monkeypatch):
+    """--gpus 2: both parts run at once (each logged beside its folder) and land in one table."""
+    import dataclasses
+
+    monkeypatch.chdir(REPO)
+    base = paper.TABLES["eplb_ablation_cpu"]
+    table = dataclasses.replace(base, parts=(("eplb_replay.policies=[none]",), ("eplb_replay.policies=[lpt]",)))
+    overrides = paper.merge_overrides(base.sweep, ("eplb_replay.record_model=null",
+                                                   "eplb_replay.synthetic.num_steps=30"))
+    md = paper.run_sweep(table, "eplb_ablation_cpu", overrides, repeats=3, out=tmp_path, file_name="t",
+                         sweep_root=tmp_path / "multirun", gpus=2)
+    logs = sorted((tmp_path / "multirun" / "t").glob("*/part*.log"))
+    assert [p.name for p in logs] == ["part0.log", "part1.log"]
+    text = md.read_text()
+    assert "| zipf | none |" in text and "| zipf | lpt |" in text and "3 repeat(s)" in text
