@@ -232,6 +232,36 @@ def resolve(name: str, *, allow_cpu: bool = False) -> tuple[Table, bool]:
     return table, True
 
 
+def sweep_commands(name: str, *, repeats: int = MIN_REPEATS, extra: tuple[str, ...] = (),
+                   sweep_dir: Path | None = None) -> tuple[Path, list[list[str]]]:
+    """A sweep table's part commands (argv, `python -m research_lm -m ...`), each into <sweep_dir>/part<i>,
+    to run elsewhere (by hand, on several machines); `--from-sweep <sweep_dir>` then writes the table."""
+    table = TABLES[name]
+    if table.bench is not None:
+        raise PaperError(f"{name} is a benchmark script, not a sweep: run `{command(name)}`")
+    sweep_dir = sweep_dir or Path("multirun/paper") / name / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    key = "+repeat" if table.repeat_key == "repeat" else table.repeat_key  # `repeat` is not in conf/config.yaml
+    overrides = merge_overrides(table.sweep, extra)
+    cmds = []
+    for i, part in enumerate(table.parts or ((),)):
+        part_dir = sweep_dir / f"part{i}" if table.parts else sweep_dir
+        cmds.append(["python", "-m", "research_lm", "-m", *merge_overrides(tuple(overrides), part),
+                     f"{key}={','.join(map(str, range(repeats)))}", f"hydra.sweep.dir={part_dir}"])
+    return sweep_dir, cmds
+
+
+def table_from_sweep(name: str, sweep_dir: Path, *, repeats: int = MIN_REPEATS, out: Path | None = None,
+                     extra: tuple[str, ...] = ()) -> Path:
+    """Write table `name` from a sweep already run (`--print-commands`); its commands are recorded as printed."""
+    table = TABLES[name]
+    _, cmds = sweep_commands(name, repeats=repeats, extra=extra, sweep_dir=Path(sweep_dir))
+    out = Path(out) if out is not None else RESULTS
+    return write_sweep_table(table, name, Path(sweep_dir), out=out, file_name=name, repeats=repeats,
+                             sweep_commands=[" ".join(c) for c in cmds],
+                             note="The parts ran from `--print-commands` and the table was written with "
+                                  f"`--from-sweep {_rel(Path(sweep_dir))}`.")
+
+
 def run(name: str, *, repeats: int = MIN_REPEATS, out: Path | None = None, allow_cpu: bool = False,
         extra: tuple[str, ...] = (), sweep_root: Path | None = None, gpus: int = 1) -> Path:
     """Regenerate table `name`: write <out>/<name>.md and .json (and its plots); return the .md path.

@@ -153,3 +153,23 @@ def test_sweep_parts_run_side_by_side_with_gpus(tmp_path, monkeypatch):
     assert [p.name for p in logs] == ["part0.log", "part1.log"]
     text = md.read_text()
     assert "| zipf | none |" in text and "| zipf | lpt |" in text and "3 repeat(s)" in text
+
+
+def test_printed_sweep_commands_run_elsewhere_then_write_the_table(tmp_path, monkeypatch):
+    """--print-commands gives the part commands; after they ran, --from-sweep writes the table from the folder."""
+    import shlex
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(REPO)
+    extra = ("eplb_replay.record_model=null", "eplb_replay.synthetic.num_steps=30", "eplb_replay.policies=[lpt]")
+    proc = run_module("experiments.paper", "eplb_ablation_cpu", "--print-commands", "--sweep-dir",
+                      str(tmp_path / "sweep"), "--", *extra, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (line,) = proc.stdout.strip().splitlines()
+    argv = shlex.split(line)
+    assert argv[:4] == ["python", "-m", "research_lm", "-m"] and f"hydra.sweep.dir={tmp_path / 'sweep'}" in argv
+    assert subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True).returncode == 0
+    md = paper.table_from_sweep("eplb_ablation_cpu", tmp_path / "sweep", out=tmp_path, extra=extra)
+    text = md.read_text()
+    assert "| zipf | lpt |" in text and "--from-sweep" in text and "3 repeat(s)" in text
