@@ -175,7 +175,8 @@ TABLES: dict[str, Table] = {
     "spec_ablation_h200": Table(
         what="spec_ablation on the GPU reference target: every proposer x k {1,3,5} x batch {1,8,32} x temperature "
              "{0,1}: tau, acceptance per position, draft vs verify time, speedup vs no speculation",
-        device="cuda", measured_on="NVIDIA H200", minutes="~45 min (270 jobs; + ~3 min training when missing)",
+        device="cuda", measured_on="NVIDIA H200 (4 of one host, --gpus 4)",
+        minutes="~3 min with --gpus 4 on 4 H200s (270 jobs; + ~3 min training when missing)",
         sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
                f"model.name={_REF}/target", "spec.num_speculative_tokens=1,3,5", "workload.temperature=0.0,1.0",
                "workload.max_tokens=48", "runner.num_gpu_blocks=4096"),
