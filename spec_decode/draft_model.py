@@ -23,10 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from research_lm.cuda_graphs import Capture
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
 from research_lm.request import Request
 from research_lm.spec import Proposal, StepOutcome
+from spec_decode.draft_graphs import DraftChainGraphs
 from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
 
 _PAGED_KINDS = ("attention", "mla")
@@ -54,6 +56,7 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         # request id -> (positions [0, valid) whose draft KV is right, drafts fed at valid, valid+1, ...)
         self._fed: dict[str, tuple[int, list[int]]] = {}
+        self.graphs: DraftChainGraphs | None = None  # set by capture_cuda_graphs
 
     def _valid(self, req: Request, emitted: list[int], computed: int) -> int:
         state = self._fed.get(req.request_id)
@@ -107,10 +110,29 @@ class DraftModelProposer:
             return self.model.compute_logits(self._forward(ids, positions, md)), None
 
         last_pos = [newest[i] for i in drafting.index]
-        drafting.chain(self.model.compute_logits(hidden[last]), last_pos, self.vocab_size, step)
+        rows = torch.tensor(drafting.index, dtype=torch.int64, device=positions.device)
+        drafting.chain(self.model.compute_logits(hidden[last]), last_pos, self.vocab_size, step, graphs=self.graphs,
+                       block_table=outcome.common.block_table.index_select(0, rows))
         for i, req, toks in zip(drafting.index, drafting.requests, drafting.tokens, strict=True):
             self._fed[req.request_id] = (newest[i] + 1, toks[:-1])  # d(k) was never fed
         return drafting.proposal(reqs)
+
+    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
+                            max_blocks_per_req: int) -> None:
+        """Graphs of the chained drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
+        if self.num_speculative_tokens < 2:
+            return
+
+        def step(ids, positions, md, _):
+            return self.model.compute_logits(self._forward(ids, positions, md)), None
+
+        device = next(self.model.parameters()).device
+        self.graphs = DraftChainGraphs(
+            step, self.cache_layers, num_speculative_tokens=self.num_speculative_tokens,
+            vocab_size=self.vocab_size, sizes=sizes, block_size=block_size, max_blocks_per_req=max_blocks_per_req,
+            max_seq_len=self.max_model_len + self.num_lookahead_tokens, carry_shape=None, carry_dtype=torch.float32,
+            device=device, capture=capture,
+        )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         for req_id in req_ids:

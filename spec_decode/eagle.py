@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from research_lm.cuda_graphs import Capture
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, is_rotary_buffer, load_params
 from research_lm.models.layers import (
     GatedMLP,
@@ -52,6 +53,7 @@ from research_lm.models.layers import (
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
 from research_lm.spec import Proposal, StepOutcome
+from spec_decode.draft_graphs import DraftChainGraphs
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
@@ -227,6 +229,7 @@ class EagleProposer:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.cache_layers = cache_layers_of(head)
+        self.graphs: DraftChainGraphs | None = None  # set by capture_cuda_graphs
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         embed = self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
@@ -273,8 +276,28 @@ class EagleProposer:
             return self._logits(out), features
 
         last_pos = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
-        drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last])
+        rows = torch.tensor(drafting.index, dtype=torch.int64, device=device)
+        drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last],
+                       graphs=self.graphs, block_table=outcome.common.block_table.index_select(0, rows))
         return drafting.proposal(reqs)
+
+    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
+                            max_blocks_per_req: int) -> None:
+        """Graphs of the chained drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
+        if self.num_speculative_tokens < 2:
+            return
+
+        def step(ids, positions, md, carry):
+            out, features = self.head(self._embed(ids), carry, positions, md)
+            return self._logits(out), features
+
+        fc = self.head.fc.weight  # [H, fc input]: the carried feature is the head's output, H wide
+        self.graphs = DraftChainGraphs(
+            step, self.cache_layers, num_speculative_tokens=self.num_speculative_tokens,
+            vocab_size=self.vocab_size, sizes=sizes, block_size=block_size, max_blocks_per_req=max_blocks_per_req,
+            max_seq_len=self.max_model_len + self.num_lookahead_tokens, carry_shape=(fc.shape[0],),
+            carry_dtype=fc.dtype, device=fc.device, capture=capture,
+        )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         pass  # no per-request state: each step recomputes from the target's computed tokens

@@ -193,8 +193,8 @@ TABLES: dict[str, Table] = {
         about="The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 8 layers, trained on the "
               "stdlib + pydoc corpus) and its four drafters trained in-framework; 48 output tokens per request, "
               "max(8, batch) code prompts, 3 seeds per cell; each job also runs the same workload without "
-              "speculation in the same process (speedup). CUDA graphs for both (decode and verify steps; the drafters' "
-              "chained steps eager).",
+              "speculation in the same process (speedup). CUDA graphs for both: decode and verify steps, and the "
+              "greedy drafters' chained steps (temperature 1 drafts eagerly).",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",

@@ -1,0 +1,120 @@
+"""Graph-captured drafting chains (spec_decode/draft_graphs.py) against the eager chain.
+
+On CPU the graph is stood in for by a re-run over the same persistent buffers (`eager_capture`), with the
+Triton attention kernels under the interpreter: this checks the buffer plumbing (entry rows, padding,
+per-step positions, seq lens and slots, the KV-write limit, the carried EAGLE feature). The GPU test
+captures real graphs. Either way, every proposal must equal the eager chain's, and greedy outputs must
+equal plain decoding's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from research_lm import LLM, SamplingParams
+from research_lm.cuda_graphs import cuda_graph_capture, eager_capture
+from spec_decode.draft_graphs import DraftChainGraphs
+from tests.spec_decode.test_draft_model import _variant
+from tests.spec_decode.test_spec_formats import V, eagle1_tensors, eagle3_tensors, write_eagle1, write_eagle3
+
+K = 3
+KNOBS = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=40,
+             max_model_len=48, attention_backend="triton", enable_prefix_caching=False)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 7)]  # three requests: padded to 4
+
+
+def _greedy() -> list[SamplingParams]:  # different lengths: budgets < k at each request's end, batch shrinks
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 7, 5)]
+
+
+def _spec(kind: str, tmp_path, checkpoint) -> dict:
+    if kind == "eagle":
+        return {"method": "eagle", "model": str(write_eagle1(tmp_path / "eagle", eagle1_tensors(21)))}
+    if kind == "eagle3":
+        tensors = eagle3_tensors(22, sorted(random.Random(0).sample(range(V), 96)))
+        head = write_eagle3(tmp_path / "eagle3", tensors, eagle_aux_hidden_state_layer_ids=[0, 1, 2])
+        return {"method": "eagle3", "model": str(head)}
+    noisy = torch.Generator().manual_seed(0)  # a perturbed target: it drafts well, not perfectly
+    draft = _variant(checkpoint, tmp_path / "draft",
+                     lambda name, w: w + 0.05 * torch.randn(w.shape, generator=noisy) if w.dim() == 2 else w)
+    return {"method": "draft_model", "model": str(draft)}
+
+
+def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, list[int]]], list[int]]:
+    """Tokens, every step's proposal, and the sizes of the draft batches the graphs ran."""
+    proposer, proposals, replays = llm.engine.runner.proposer, [], []
+    propose, graphs = proposer.propose, getattr(proposer, "graphs", None)
+
+    def spy(outcome):
+        proposal = propose(outcome)
+        proposals.append(proposal.token_ids)
+        return proposal
+
+    proposer.propose = spy
+    if graphs is not None:
+        def counting_run(block_table, first, *args):
+            replays.append(len(first))
+            return DraftChainGraphs.run(graphs, block_table, first, *args)
+        graphs.run = counting_run
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], proposals, replays
+
+
+def _pair(path: str, spec: dict, device: str, capture) -> tuple[LLM, LLM]:
+    """(eager chain, graph chain) over the same checkpoints; the target's own graphs stay off."""
+    spec = {**spec, "num_speculative_tokens": K}
+    eager = LLM(path, device=device, cuda_graphs=False, speculative_config=spec, **KNOBS)
+    llm = LLM(path, device=device, cuda_graphs=False, speculative_config=spec, **KNOBS)
+    runner = llm.engine.runner
+    runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=capture, block_size=runner.block_size,
+                                        max_blocks_per_req=runner.buffers.block_table.gpu.shape[1])
+    return eager, llm
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
+def test_graph_chain_drafts_what_the_eager_chain_drafts(kind, tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
+    prompts = _prompts()
+    want, want_proposals, _ = _run(eager, prompts, _greedy())
+    got, proposals, replays = _run(llm, prompts, _greedy())
+    assert got == want == [o.outputs[0].token_ids for o in LLM(str(checkpoint), device="cpu", **KNOBS).generate(
+        prompts, _greedy(), use_tqdm=False)]
+    assert proposals == want_proposals
+    assert 3 in replays and 1 in replays  # padded (3 -> 4) and single-request chains both ran
+    assert any(len(d) < K for p in proposals for d in p.values() if d)  # budgets below k were cut
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+def test_sampled_drafting_keeps_the_eager_chain(tiny_checkpoint, tmp_path):
+    """A request that samples needs q and its own noise: the step drafts eagerly, with the same outputs."""
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), "cpu", eager_capture)
+    params = _greedy()
+    params[1] = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=3)
+    want, want_proposals, _ = _run(eager, _prompts()[:2], params[:2])
+    got, proposals, replays = _run(llm, _prompts()[:2], params[:2])
+    assert (got, proposals) == (want, want_proposals)
+    assert max(replays) == 1  # only once request 1 (sampling) has finished
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
+def test_graph_chain_matches_eager_on_cuda(kind, tiny_checkpoint, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cuda", cuda_graph_capture)
+    prompts = _prompts()
+    want, want_proposals, _ = _run(eager, prompts, _greedy())
+    got, proposals, replays = _run(llm, prompts, _greedy())
+    assert got == want and proposals == want_proposals
+    assert 3 in replays
