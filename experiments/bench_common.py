@@ -35,6 +35,15 @@ LLAMA_3_2_1B: dict[str, Any] = dict(
                          high_freq_factor=4.0, original_max_position_embeddings=8192),
     bos_token_id=128000, eos_token_id=128001,
 )  # fmt: skip
+# Llama-3.1-8B (the config.json of meta-llama/Llama-3.1-8B), weights drawn at random.
+LLAMA_3_1_8B: dict[str, Any] = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=131072,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+    bos_token_id=128000, eos_token_id=128001,
+)  # fmt: skip
+SHAPES: dict[str, dict[str, Any]] = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B}
 # For smoke runs of the scripts on a CPU.
 TINY: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -1,20 +1,26 @@
-"""Batch-1 decode of a Llama-3.2-1B-shaped model (random weights, bf16): ms per step, against the floor.
+"""Decode of a Llama-shaped model (random weights, bf16): ms per step, against the floor.
+
+Default: batch 1 of the Llama-3.2-1B shape; `--shape llama-3.1-8b` and `--batch N` show the trend.
 
     python experiments/bench_decode.py --profile                    # on a CUDA GPU
+    python experiments/bench_decode.py --shape llama-3.1-8b --batch 64 --name bench_decode_8b_b64
     python experiments/bench_decode.py --tiny --device cpu --backend torch_ref --steps 8   # smoke run
     python -m experiments.paper bench_decode                        # the committed table (experiments/paper/)
 
 Rows, all measured in this process, the whole table `--repeats` times (default 3): each cell shows the
 median over the repeats and their min–max where they differ:
 - floor: the parameter bytes (tied embedding once) over the device copy bandwidth (read + write)
-  measured here: no decode step can read its weights faster.
+  measured here: no decode step can read its weights faster. At `--batch N` the floor adds the KV cache a
+  step reads at the mean context of the measured steps (N x context x layers x 2 x kv heads x head dim x
+  dtype bytes); tok/s is N tokens per step.
 - research_lm eager / CUDA graphs / compiled + CUDA graphs (`compile=True`: torch.compile'd forward,
   captured in the decode graphs; skipped, with the reason in the table, where EngineConfig has no
   `compile`) (`--backend`, triton by default): one request, a `--prompt-len` prompt, then each
-  `engine.step()` timed on the host. The sampler's `.tolist()` waits for the GPU,
+  `engine.step()` timed on the host (`--batch N`: N equal-length requests decoding together). The
+  sampler's `.tolist()` waits for the GPU,
   so a step's wall time is the whole step: schedule, input prep, forward, logits, sampling,
   bookkeeping. Median over `--steps` steps after `--warmup`.
-- "forward alone": the model forward of one decode token without the rest of the step (CUDA events;
+- "forward alone": the model forward of one decode step (every request) without the rest of the step (CUDA events;
   eager launches are host-bound, so that row is the host's launch time).
 - transformers generate, dynamic cache and `cache_implementation="static"` (which transformers compiles
   itself): (t(N new tokens) - t(1 new token)) / (N - 1), after a warm-up call (the compilation).
@@ -34,7 +40,7 @@ from typing import Any
 
 import torch
 from bench_common import (
-    LLAMA_3_2_1B,
+    SHAPES,
     TINY,
     add_repeat_args,
     cell,
@@ -63,10 +69,11 @@ def build_llm(path: str, args, **variant: Any):
     from research_lm import LLM
 
     max_len = args.prompt_len + args.warmup + max(args.steps, args.profile_steps) + 16
+    n = args.batch
     return LLM(
         path, load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=args.backend,
-        max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 256), max_model_len=max_len,
-        num_gpu_blocks=-(-max_len // 16) + 2, enable_prefix_caching=False, cuda_graph_sizes=[1], **variant,
+        max_num_seqs=n, max_num_batched_tokens=max(args.prompt_len * n, 256), max_model_len=max_len,
+        num_gpu_blocks=n * -(-max_len // 16) + 2, enable_prefix_caching=False, cuda_graph_sizes=[n], **variant,
     )  # fmt: skip
 
 
@@ -78,12 +85,17 @@ def unsupported(variant: dict[str, Any]) -> str | None:
     return f"skipped: EngineConfig has no {', '.join(missing)}" if missing else None
 
 
-def decode_steps(engine, prompt: list[int], warmup: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` decode steps of one greedy request (after prefill and `warmup` steps)."""
+def add_requests(engine, prompts: list[list[int]], max_tokens: int) -> None:
     from research_lm import SamplingParams
 
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1 + warmup + steps, ignore_eos=True))
-    engine.step()  # prefill (and the first token)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def decode_steps(engine, prompts: list[list[int]], warmup: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` decode steps of the greedy requests (after prefill and `warmup` steps)."""
+    add_requests(engine, prompts, 1 + warmup + steps)
+    engine.step()  # prefill (and the first token): max_num_batched_tokens holds every prompt
     for _ in range(warmup):
         engine.step()
     times = []
@@ -101,11 +113,12 @@ def forward_alone_ms(engine, device: torch.device) -> float:
 
     runner = engine.runner
     buf = runner.buffers
-    seq_len = int(buf.seq_lens.np[0])  # left by the last step
-    common = graph_metadata(buf, 1, runner.block_size, max_seq_len=seq_len)
+    n = runner.max_num_seqs  # every request of the batch
+    seq_len = int(buf.seq_lens.np[:n].max())  # left by the last step
+    common = graph_metadata(buf, n, runner.block_size, max_seq_len=seq_len)
     if runner.cuda_graphs is not None:
         return gpu_ms(lambda: runner.cuda_graphs.run(common), device)
-    ids, pos = buf.input_ids.gpu[:1], buf.positions.gpu[:1]
+    ids, pos = buf.input_ids.gpu[:n], buf.positions.gpu[:n]
 
     @torch.inference_mode()
     def forward():
@@ -114,7 +127,7 @@ def forward_alone_ms(engine, device: torch.device) -> float:
     return gpu_ms(forward, device)
 
 
-def stage_profile(engine, prompt: list[int], steps: int, device: torch.device) -> dict[str, float]:
+def stage_profile(engine, prompts: list[list[int]], steps: int, device: torch.device) -> dict[str, float]:
     """Mean ms per decode step in each stage, a device sync closing each stage."""
     runner, sched = engine.runner, engine.scheduler
     stages = [("schedule", sched, "schedule"), ("prepare_inputs", runner, "_prepare_inputs"),
@@ -156,9 +169,7 @@ def stage_profile(engine, prompt: list[int], steps: int, device: torch.device) -
             return out
 
         engine.step = step
-        from research_lm import SamplingParams
-
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2 + steps, ignore_eos=True))
+        add_requests(engine, prompts, 2 + steps)
         original_step()  # prefill
         original_step()
         for _ in range(steps):
@@ -174,13 +185,11 @@ def stage_profile(engine, prompt: list[int], steps: int, device: torch.device) -
     return out
 
 
-def kernel_profile(engine, prompt: list[int], steps: int) -> dict[str, Any]:
+def kernel_profile(engine, prompts: list[list[int]], steps: int) -> dict[str, Any]:
     """The CUDA kernels of `steps` decode steps: time per step, and the top kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from research_lm import SamplingParams
-
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2 + steps, ignore_eos=True))
+    add_requests(engine, prompts, 2 + steps)
     engine.step()
     engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -199,7 +208,7 @@ def kernel_profile(engine, prompt: list[int], steps: int) -> dict[str, Any]:
     }
 
 
-def research_lm_rows(path: str, args, prompt: list[int], device: torch.device) -> list[dict[str, Any]]:
+def research_lm_rows(path: str, args, prompts: list[list[int]], device: torch.device) -> list[dict[str, Any]]:
     rows = []
     for label, variant in VARIANTS.items():
         graphs = variant.get("cuda_graphs", False)
@@ -214,14 +223,14 @@ def research_lm_rows(path: str, args, prompt: list[int], device: torch.device) -
             engine = llm.engine
             if graphs and engine.runner.cuda_graphs is None:
                 raise RuntimeError("graphs were not captured (see the warning above)")
-            times = decode_steps(engine, prompt, args.warmup, args.steps)
+            times = decode_steps(engine, prompts, args.warmup, args.steps)
             row |= {"ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
                     "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3}  # fmt: skip
             forward = {"variant": f"{label}: forward alone", "ms": forward_alone_ms(engine, device)}
             if args.profile and not variant.get("compile"):  # the stage wrappers would be traced by dynamo
-                row["stages_ms"] = stage_profile(engine, prompt, args.profile_steps, device)
+                row["stages_ms"] = stage_profile(engine, prompts, args.profile_steps, device)
                 if device.type == "cuda" and not graphs:
-                    row["kernels"] = kernel_profile(engine, prompt, 8)
+                    row["kernels"] = kernel_profile(engine, prompts, 8)
             rows += [row, forward]
         except Exception as e:  # reported in the table, not fatal: the other rows still run
             rows.append(row | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
@@ -231,11 +240,10 @@ def research_lm_rows(path: str, args, prompt: list[int], device: torch.device) -
     return rows
 
 
-def hf_rows(args, prompt: list[int], device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+def hf_rows(args, prompts: list[list[int]], device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     rows = []
-    shape = TINY if args.tiny else LLAMA_3_2_1B
-    model = hf_model(shape, device, dtype)
-    ids = torch.tensor([prompt], device=device)
+    model = hf_model(bench_shape(args), device, dtype)
+    ids = torch.tensor(prompts, device=device)  # [batch, prompt_len]: equal lengths, no padding
 
     def generate(n: int, **kw) -> float:
         sync(device)
@@ -271,6 +279,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--backend", default="triton")
     p.add_argument("--tiny", action="store_true", help="a tiny shape: a smoke run of the code paths")
+    p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES), help="the model shape (random weights)")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--warmup", type=int, default=16)
@@ -289,26 +299,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return run_table(name, torch.device(args.device), args, measure, render, ("variant",))
 
 
+def bench_shape(args) -> dict[str, Any]:
+    return TINY if args.tiny else SHAPES[args.shape]
+
+
+def kv_bytes_per_step(shape: dict[str, Any], batch: int, context: float, dtype: torch.dtype) -> float:
+    """K and V of every layer for `batch` requests at `context` tokens: what a decode step's attention reads."""
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * head_dim * dtype.itemsize
+    return batch * context * per_token
+
+
 def measure(args) -> dict[str, Any]:
     """One repeat of the whole table: the ceiling, the research_lm rows and transformers' rows."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)  # --dtype choices are torch dtype names
-    shape = TINY if args.tiny else LLAMA_3_2_1B
+    shape = bench_shape(args)
     copy_bw = copy_bandwidth(device)
     path = model_dir(shape)
-    prompt = [random.Random(0).randrange(shape["vocab_size"]) for _ in range(args.prompt_len)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(args.batch)]
 
     from research_lm.models.loader import build_model, load_config
 
     probe = build_model(load_config(path), device="cpu", dtype=dtype, attention_backend="torch_ref")  # torch.empty
     wbytes = weight_bytes(probe)
-    floor_ms = wbytes / copy_bw * 1e3
-    rows: list[dict[str, Any]] = [{"variant": "floor: weight bytes / copy bandwidth", "ms": floor_ms}]
-    rows += research_lm_rows(path, args, prompt, device)
+    context = args.prompt_len + args.warmup + args.steps / 2  # the mean context of the measured steps
+    kv_bytes = kv_bytes_per_step(shape, args.batch, context, dtype) if args.batch > 1 else 0.0
+    floor_ms = (wbytes + kv_bytes) / copy_bw * 1e3
+    label = "floor: weight bytes / copy bandwidth" if not kv_bytes else "floor: (weight + KV bytes) / copy bandwidth"
+    rows: list[dict[str, Any]] = [{"variant": label, "ms": floor_ms}]
+    rows += research_lm_rows(path, args, prompts, device)
     if not args.skip_hf:
-        rows += hf_rows(args, prompt, device, dtype)
+        rows += hf_rows(args, prompts, device, dtype)
     return {
-        "copy_tb_s": copy_bw / 1e12, "weight_bytes": wbytes, "shape": shape, "dtype": args.dtype,
+        "copy_tb_s": copy_bw / 1e12, "weight_bytes": wbytes, "kv_bytes_per_step": kv_bytes, "shape": shape,
+        "shape_name": "tiny" if args.tiny else args.shape, "batch": args.batch, "dtype": args.dtype,
         "prompt_len": args.prompt_len, "steps": args.steps, "warmup": args.warmup, "rows": rows,
     }  # fmt: skip
 
@@ -318,14 +344,20 @@ def render(payload: dict[str, Any]) -> str:
     floor = rows[0]["ms"]
     static = next((r.get("ms") for r in rows if r["variant"].startswith("transformers static")), None)
     s = payload["shape"]
+    batch = payload.get("batch", 1)
+    name = {"llama-3.1-8b": "Llama-3.1-8B", "tiny": "tiny"}.get(payload.get("shape_name"), "Llama-3.2-1B")
+    kv = payload.get("kv_bytes_per_step") or 0
+    kv_note = (f" The floor adds the KV cache a step reads at the mean context of the measured steps "
+               f"({kv / 1e9:.3f} GB for {batch} requests)." if kv else "")
     head = (
-        f"{env_line(payload['env'])}\n\nBatch-1 decode, Llama-3.2-1B shape (hidden {s['hidden_size']}, "
+        f"{env_line(payload['env'])}\n\nBatch-{batch} decode, {name} shape (hidden {s['hidden_size']}, "
         f"{s['num_hidden_layers']} layers, {s['num_attention_heads']}/{s['num_key_value_heads']} heads, vocab "
-        f"{s['vocab_size']}, tied), random weights, {payload['dtype']}; prompt {payload['prompt_len']} tokens, "
+        f"{s['vocab_size']}, {'tied' if s.get('tie_word_embeddings', True) else 'untied'}), random weights, "
+        f"{payload['dtype']}; {batch} prompt(s) of {payload['prompt_len']} tokens, "
         f"median of {payload['steps']} decode steps after {payload['warmup']}. Weights "
         f"{payload['weight_bytes'] / 1e9:.3f} GB; copy bandwidth {payload['copy_tb_s']:.2f} TB/s (read+write, "
-        f"measured in this run). \"× floor\": ms / floor ms; \"vs HF static\": transformers static ms / ms. "
-        f"{repeats_line(payload)}\n"
+        f"measured in this run).{kv_note} tok/s: output tokens per second of the whole batch. \"× floor\": ms / "
+        f"floor ms; \"vs HF static\": transformers static ms / ms. {repeats_line(payload)}\n"
     )
     lines = []
     stages = [r for r in rows if "stages_ms" in r]
@@ -361,7 +393,7 @@ def render(payload: dict[str, Any]) -> str:
         if r.get("errors"):
             note += f"; {len(r['errors'])} repeat(s) failed: {r['errors'][0]}"
         vs = f"{static / ms:.2f}" if static else "—"
-        lines.append(f"| {r['variant']} | {cell(r, 'ms', '.3f')} | {cell(r, 'ms', '.0f', lambda v: 1e3 / v)} | "
+        lines.append(f"| {r['variant']} | {cell(r, 'ms', '.3f')} | {cell(r, 'ms', '.0f', lambda v: batch * 1e3 / v)} | "
                      f"{ms / floor:.2f} | {vs} | {note} |")
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@
 # What the last session left for a GPU (see the issues' closing notes), in the order to run it. Each block fits
 # one 10-minute device call. From the repository root (or a `git archive HEAD` copy of it), with hydra/omegaconf/
 # flashinfer wheels installed and RESEARCH_LM_COMMIT / BENCH_COMMIT set to the commit.
-#   bash experiments/gpu_pending.sh tests | presets | match | zoo256
+#   bash experiments/gpu_pending.sh tests | 8b | presets | match | zoo256
 # Done in session 3 (tables committed): bench_decode, bench_throughput, spec_ablation_h200 (--gpus 4 on 4 H200s,
 # 3 min), spec_eagle3_tiny_h200; GPU tests of the verify and drafting graphs.
 set -euo pipefail
@@ -10,6 +10,8 @@ case ${1:-tests} in
   tests)  # every GPU test of the runner's graphs, compile, the engine and the attention zoo
     python -m pytest -m gpu tests/test_cuda_graphs.py tests/engine/test_compile.py tests/engine/test_gpu_engine.py \
       tests/spec_decode/test_draft_graphs.py tests/attention_zoo -p no:cacheprovider -rfE -q ;;
+  8b)  # the Llama-3.1-8B shape at batch 1 and 64 (bench_decode --shape/--batch; never run yet), ~5 min each
+    python -m experiments.paper bench_decode_8b && python -m experiments.paper bench_decode_8b_b64 ;;
   presets)  # attention_ablation's gpu: block did not finish in 290 s when graphs were off by default; the rest ran
     mkdir -p outputs
     time python -m research_lm experiment=attention_ablation logger=jsonl > outputs/preset_attention_ablation.log 2>&1 \

@@ -173,3 +173,15 @@ def test_printed_sweep_commands_run_elsewhere_then_write_the_table(tmp_path, mon
     md = paper.table_from_sweep("eplb_ablation_cpu", tmp_path / "sweep", out=tmp_path, extra=extra)
     text = md.read_text()
     assert "| zipf | lpt |" in text and "--from-sweep" in text and "3 repeat(s)" in text
+
+
+def test_bench_decode_takes_the_8b_shape_and_a_batch(tmp_path):
+    """--shape picks Llama-3.1-8B (never built on CPU here); the batch-64 table's CPU smoke run decodes a
+    batch of 2 and adds the KV read to the floor."""
+    bench = paper.import_bench("bench_decode")
+    args = bench.parser().parse_args(["--shape", "llama-3.1-8b", "--batch", "64"])
+    shape = bench.bench_shape(args)
+    assert (shape["hidden_size"], shape["num_hidden_layers"], shape["tie_word_embeddings"]) == (4096, 32, False)
+    assert bench.kv_bytes_per_step(shape, 64, 1000, bench.torch.bfloat16) == 64 * 1000 * 32 * 2 * 8 * 128 * 2
+    md = paper.run("bench_decode_8b_b64", allow_cpu=True, out=tmp_path).read_text()
+    assert "Batch-2 decode, tiny shape" in md and "floor: (weight + KV bytes) / copy bandwidth" in md
