@@ -13,6 +13,7 @@ Persistent buffers (rows 0 .. A, allocated once; a replay reads them where the c
     carry [A, H]           EAGLE's feature for the next step (the head's own output); none for a draft model
     block_table [A, B]     the request's rows of the target step's block table (the KV is shared)
     query_start_loc [A+1], seq_lens [A], slot_mapping [A], request_rows [A]: the attention record
+                           (request_rows stays -1: only state layers read it, and drafters have none)
     drafts [A, k-1] int64  drafts 2 .. k
 Each chained step, inside the graph: seq_lens = positions + 1 on real rows (0 on padding), slot =
 block_table[row, pos // block_size] * block_size + pos % block_size (-1 past limit or on padding), the
@@ -22,7 +23,8 @@ host), at position 0 so no rotary table is read out of range.
 
 Used only when every drafting request is greedy with nothing that changes the argmax (`argmax_only`: no
 penalties, min_tokens ban or logprobs) and the batch fits the largest size; otherwise `Drafting.chain`
-runs its eager steps. The attention launch plan is fixed at capture with max_seq_len = max_model_len +
+runs its eager steps. Not captured at all for a drafter with a layer that syncs with the host in forward
+(`capturable`). The attention launch plan is fixed at capture with max_seq_len = max_model_len +
 num_lookahead_tokens, the longest any draft row reaches.
 """
 
@@ -33,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.cuda_graphs import Capture
@@ -40,6 +43,15 @@ from research_lm.cuda_graphs import Capture
 # (ids [A], positions [A], metadata, carry [A, H] | None) -> (logits [A, >= vocab] fp32, next carry | None)
 DraftStep = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],
                      tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def capturable(drafter: nn.Module, layers: Sequence[CacheLayer]) -> bool:
+    """Whether the drafter's forward can be captured: its attention backends allow graphs and none of its
+    layer classes declares `cuda_graphs = False` (MoE routing reads expert counts on the host). The runner
+    checks the target alone, and the draft model may be another architecture."""
+    return all(layer.backend.capabilities.cuda_graphs for layer in layers) and all(
+        getattr(type(m), "cuda_graphs", True) is not False for m in drafter.modules()
+    )
 
 
 class DraftChainGraphs:
@@ -77,6 +89,7 @@ class DraftChainGraphs:
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             self._fill_entry(size, num_reqs=size)  # capture: every row real, position 0, writing no KV
+            self.positions.zero_()
             self.limit.zero_()
             common = CommonAttentionMetadata(
                 query_start_loc=self.query_start_loc[: size + 1], query_start_loc_cpu=torch.zeros(size + 1),
@@ -125,7 +138,8 @@ class DraftChainGraphs:
     @torch.inference_mode()
     def run(
         self,
-        block_table: torch.Tensor,  # [n, >= blocks] the draft requests' rows of the step's block table
+        block_table: torch.Tensor,  # [step's requests, >= blocks] the target step's block table
+        rows: Sequence[int],  # [n] each draft request's row in it
         first: torch.Tensor,  # [n] int64 draft 1 of each request (device)
         last_positions: Sequence[int],  # [n] position of each request's newest verified token
         budgets: Sequence[int],  # [n] drafts each request wants (>= 1)
@@ -135,16 +149,17 @@ class DraftChainGraphs:
         size = self.padded_size(n)
         assert size is not None and (carry is None) == (self.carry is None)
         self._fill_entry(size, n)
+        host = torch.tensor([[p + 1 for p in last_positions],
+                             [p + b for p, b in zip(last_positions, budgets, strict=True)], list(rows)])
+        entry = host.to(self.ids.device)  # one copy: positions, limits, block table rows
+        self.positions[:n].copy_(entry[0])
+        self.limit[:n].copy_(entry[1])
         cols = min(block_table.shape[1], self.block_table.shape[1])
-        self.block_table[:n, :cols].copy_(block_table[:, :cols])
+        self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, entry[2]))
         self.ids[:n].copy_(first)
-        host = torch.tensor([[p + 1 for p in last_positions], [p + b for p, b in zip(last_positions, budgets,
-                                                                                         strict=True)]])
-        self.positions[:n].copy_(host[0], non_blocking=True)
-        self.limit[:n].copy_(host[1], non_blocking=True)
         self.positions[n:size].zero_()
         if carry is not None:
             self.carry[:n].copy_(carry)
         self._replay[size]()
-        rows = self.drafts[:n].tolist()
-        return [row[: b - 1] for row, b in zip(rows, budgets, strict=True)]
+        drafted = self.drafts[:n].tolist()
+        return [row[: b - 1] for row, b in zip(drafted, budgets, strict=True)]

@@ -28,7 +28,7 @@ from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
 from research_lm.request import Request
 from research_lm.spec import Proposal, StepOutcome
-from spec_decode.draft_graphs import DraftChainGraphs
+from spec_decode.draft_graphs import DraftChainGraphs, capturable
 from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
 
 _PAGED_KINDS = ("attention", "mla")
@@ -110,9 +110,8 @@ class DraftModelProposer:
             return self.model.compute_logits(self._forward(ids, positions, md)), None
 
         last_pos = [newest[i] for i in drafting.index]
-        rows = torch.tensor(drafting.index, dtype=torch.int64, device=positions.device)
         drafting.chain(self.model.compute_logits(hidden[last]), last_pos, self.vocab_size, step, graphs=self.graphs,
-                       block_table=outcome.common.block_table.index_select(0, rows))
+                       block_table=outcome.common.block_table)
         for i, req, toks in zip(drafting.index, drafting.requests, drafting.tokens, strict=True):
             self._fed[req.request_id] = (newest[i] + 1, toks[:-1])  # d(k) was never fed
         return drafting.proposal(reqs)
@@ -120,7 +119,7 @@ class DraftModelProposer:
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
                             max_blocks_per_req: int) -> None:
         """Graphs of the chained drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
-        if self.num_speculative_tokens < 2:
+        if self.num_speculative_tokens < 2 or not capturable(self.model, self.cache_layers):
             return
 
         def step(ids, positions, md, _):

@@ -53,7 +53,7 @@ from research_lm.models.layers import (
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
 from research_lm.spec import Proposal, StepOutcome
-from spec_decode.draft_graphs import DraftChainGraphs
+from spec_decode.draft_graphs import DraftChainGraphs, capturable
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
@@ -276,15 +276,14 @@ class EagleProposer:
             return self._logits(out), features
 
         last_pos = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
-        rows = torch.tensor(drafting.index, dtype=torch.int64, device=device)
         drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last],
-                       graphs=self.graphs, block_table=outcome.common.block_table.index_select(0, rows))
+                       graphs=self.graphs, block_table=outcome.common.block_table)
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
                             max_blocks_per_req: int) -> None:
         """Graphs of the chained drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
-        if self.num_speculative_tokens < 2:
+        if self.num_speculative_tokens < 2 or not capturable(self.head, self.cache_layers):
             return
 
         def step(ids, positions, md, carry):

@@ -198,7 +198,7 @@ class Drafting:
         step: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
         carry: torch.Tensor | None = None,  # [len(index), ...] per-request state the step feeds on
         graphs: DraftChainGraphs | None = None,
-        block_table: torch.Tensor | None = None,  # [len(index), blocks] with graphs: the requests' rows
+        block_table: torch.Tensor | None = None,  # with graphs: the step's block table (rows `index`)
     ) -> None:
         """Draft 1 from `logits`, then draft j + 1 from `step(batch_rows, positions, ids, carry)`, which
         feeds draft j at position last + j and returns (logits, carry) for the requests still drafting;
@@ -208,7 +208,7 @@ class Drafting:
         if max(self.budget, default=0) < 2:
             return
         if graphs is not None and graphs.padded_size(len(active)) is not None and self._argmax_only(vocab_size):
-            rest = graphs.run(block_table, drafted, last_positions, self.budget, carry)
+            rest = graphs.run(block_table, self.index, drafted, last_positions, self.budget, carry)
             for tokens, more in zip(self.tokens, rest, strict=True):
                 tokens += more
             return

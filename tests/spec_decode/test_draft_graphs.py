@@ -59,9 +59,9 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, lis
 
     proposer.propose = spy
     if graphs is not None:
-        def counting_run(block_table, first, *args):
-            replays.append(len(first))
-            return DraftChainGraphs.run(graphs, block_table, first, *args)
+        def counting_run(block_table, rows, *args):
+            replays.append(len(rows))
+            return DraftChainGraphs.run(graphs, block_table, rows, *args)
         graphs.run = counting_run
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], proposals, replays
@@ -118,3 +118,13 @@ def test_graph_chain_matches_eager_on_cuda(kind, tiny_checkpoint, tmp_path):
     got, proposals, replays = _run(llm, prompts, _greedy())
     assert got == want and proposals == want_proposals
     assert 3 in replays
+
+
+def test_a_drafter_that_syncs_in_forward_is_not_captured(tiny_checkpoint):
+    """MoE routing reads expert counts on the host: a Mixtral drafter keeps the eager chain, whatever the target."""
+    spec = {"method": "draft_model", "model": str(tiny_checkpoint("mixtral")), "num_speculative_tokens": K}
+    llm = LLM(str(tiny_checkpoint("llama")), device="cpu", cuda_graphs=False, speculative_config=spec, **KNOBS)
+    runner = llm.engine.runner
+    runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=eager_capture, block_size=runner.block_size,
+                                        max_blocks_per_req=runner.buffers.block_table.gpu.shape[1])
+    assert runner.proposer.graphs is None
