@@ -1,32 +1,40 @@
 """Decode of a Llama-shaped model (random weights, bf16): ms per step, against the floor.
 
-Default: batch 1 of the Llama-3.2-1B shape; `--shape llama-3.1-8b` and `--batch N` show the trend.
+Default: batch 1 of the Llama-3.2-1B shape. `--shape llama-3.1-8b` picks the Llama-3.1-8B shape, and
+`--batch N [M ...]` decodes N equal-length requests together (each batch size in turn, in one table).
 
-    python experiments/bench_decode.py --profile                    # on a CUDA GPU
-    python experiments/bench_decode.py --shape llama-3.1-8b --batch 64 --name bench_decode_8b_b64
+    python experiments/bench_decode.py --profile                    # on a CUDA GPU: the 1B batch-1 table
+    python experiments/bench_decode.py --shape llama-3.1-8b --batch 1 64 --steps 32 --warmup 8
     python experiments/bench_decode.py --tiny --device cpu --backend torch_ref --steps 8   # smoke run
-    python -m experiments.paper bench_decode                        # the committed table (experiments/paper/)
+    python -m experiments.paper bench_decode                        # the committed tables (experiments/paper/)
+    python -m experiments.paper bench_decode_8b                     # the 8B shape at batch 1 and 64
 
 Rows, all measured in this process, the whole table `--repeats` times (default 3): each cell shows the
-median over the repeats and their min–max where they differ:
-- floor: the parameter bytes (tied embedding once) over the device copy bandwidth (read + write)
-  measured here: no decode step can read its weights faster. At `--batch N` the floor adds the KV cache a
-  step reads at the mean context of the measured steps (N x context x layers x 2 x kv heads x head dim x
-  dtype bytes); tok/s is N tokens per step.
+median over the repeats and their min–max where they differ. At each `--batch` N:
+- floor: (the parameter bytes (tied embedding once) + the KV bytes a step reads at the mean context of the
+  measured steps: N x context x layers x 2 x kv heads x head dim x dtype bytes) over the device copy bandwidth
+  (read + write) measured here: no decode step can read its weights and KV cache faster.
 - research_lm eager / CUDA graphs / compiled + CUDA graphs (`compile=True`: torch.compile'd forward,
   captured in the decode graphs; skipped, with the reason in the table, where EngineConfig has no
-  `compile`) (`--backend`, triton by default): one request, a `--prompt-len` prompt, then each
-  `engine.step()` timed on the host (`--batch N`: N equal-length requests decoding together). The
-  sampler's `.tolist()` waits for the GPU,
-  so a step's wall time is the whole step: schedule, input prep, forward, logits, sampling,
+  `compile`) (`--backend`, triton by default): N requests of `--prompt-len` random tokens (seeded), prefilled
+  in one step, then each `engine.step()` (one token of every request) timed on the host; max_num_seqs,
+  max_num_batched_tokens, num_gpu_blocks and cuda_graph_sizes=[N] follow N. The sampler's `.tolist()` waits
+  for the GPU, so a step's wall time is the whole step: schedule, input prep, forward, logits, sampling,
   bookkeeping. Median over `--steps` steps after `--warmup`.
-- "forward alone": the model forward of one decode step (every request) without the rest of the step (CUDA events;
-  eager launches are host-bound, so that row is the host's launch time).
-- transformers generate, dynamic cache and `cache_implementation="static"` (which transformers compiles
-  itself): (t(N new tokens) - t(1 new token)) / (N - 1), after a warm-up call (the compilation).
+- "forward alone": the model forward of one decode step (every request) without the rest of the step (CUDA
+  events; eager launches are host-bound, so that row is the host's launch time).
+- transformers generate of the same N prompts as one batch (equal lengths: no padding), dynamic cache
+  (`--hf-dynamic-steps`, slow: few steps; `--skip-hf-dynamic` leaves it out) and
+  `cache_implementation="static"` (which transformers compiles itself): (t(S new tokens) - t(1 new token)) /
+  (S - 1), after a warm-up call (the compilation).
+ms/step is per engine step (all N rows); tok/s = N / step time; GB/s = (weight + KV bytes) / step time;
+"× floor" = ms / the floor at that batch.
+Each model is freed before the next is built (an 8B model is 16 GB in bf16).
 `--profile` adds the host time of each stage of a research_lm step, with a device sync after each
-stage (so each stage carries its GPU work), and the top CUDA kernels of an eager step (torch.profiler).
-Prints a table last; writes experiments/results/bench_decode.{md,json}.
+stage (so each stage carries its GPU work), and the top CUDA kernels of an eager step (torch.profiler); it
+is meant for the batch-1 table (it runs at every batch given, but is not part of the 8B paper table).
+Prints a table last; writes experiments/results/<name>.{md,json}: bench_decode for the 1B shape at batch 1,
+else e.g. bench_decode_8b_b1-64 (`--name` sets it).
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ from bench_common import (
 )
 
 NAME = "bench_decode"
+DEFAULT_SHAPE = "llama-3.2-1b"
+SHAPE_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B", "tiny": "tiny"}
 # research_lm rows: label -> LLM keywords
 VARIANTS: dict[str, dict[str, Any]] = {
     "research_lm eager": {"cuda_graphs": False},
@@ -65,11 +75,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_llm(path: str, args, **variant: Any):
+def build_llm(path: str, args, n: int, **variant: Any):
+    """research_lm on the dummy-loaded shape, sized for `n` requests decoding together."""
     from research_lm import LLM
 
     max_len = args.prompt_len + args.warmup + max(args.steps, args.profile_steps) + 16
-    n = args.batch
     return LLM(
         path, load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=args.backend,
         max_num_seqs=n, max_num_batched_tokens=max(args.prompt_len * n, 256), max_model_len=max_len,
@@ -210,23 +220,24 @@ def kernel_profile(engine, prompts: list[list[int]], steps: int) -> dict[str, An
 
 def research_lm_rows(path: str, args, prompts: list[list[int]], device: torch.device) -> list[dict[str, Any]]:
     rows = []
+    batch = len(prompts)
     for label, variant in VARIANTS.items():
         graphs = variant.get("cuda_graphs", False)
-        row: dict[str, Any] = {"variant": label, "backend": args.backend}
+        row: dict[str, Any] = {"batch": batch, "variant": label, "backend": args.backend}
         llm = engine = None
         if (reason := unsupported(variant)) is not None:
             print(f"{label}: {reason}", flush=True)
             rows.append(row | {"error": reason})
             continue
         try:
-            llm = build_llm(path, args, **variant)
+            llm = build_llm(path, args, batch, **variant)
             engine = llm.engine
             if graphs and engine.runner.cuda_graphs is None:
                 raise RuntimeError("graphs were not captured (see the warning above)")
             times = decode_steps(engine, prompts, args.warmup, args.steps)
             row |= {"ms": statistics.median(times) * 1e3, "mean_ms": statistics.fmean(times) * 1e3,
                     "p90_ms": sorted(times)[int(0.9 * len(times))] * 1e3}  # fmt: skip
-            forward = {"variant": f"{label}: forward alone", "ms": forward_alone_ms(engine, device)}
+            forward = {"batch": batch, "variant": f"{label}: forward alone", "ms": forward_alone_ms(engine, device)}
             if args.profile and not variant.get("compile"):  # the stage wrappers would be traced by dynamo
                 row["stages_ms"] = stage_profile(engine, prompts, args.profile_steps, device)
                 if device.type == "cuda" and not graphs:
@@ -241,8 +252,22 @@ def research_lm_rows(path: str, args, prompts: list[list[int]], device: torch.de
 
 
 def hf_rows(args, prompts: list[list[int]], device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    rows = []
-    model = hf_model(bench_shape(args), device, dtype)
+    """transformers generate of the prompts as one batch: dynamic cache, then the (compiled) static cache."""
+    batch = len(prompts)
+    variants = [("transformers dynamic cache", {}, args.hf_dynamic_steps, args.skip_hf_dynamic, "--skip-hf-dynamic"),
+                ("transformers static cache (compiled)", {"cache_implementation": "static"}, args.steps,
+                 args.skip_hf_static, "--skip-hf-static")]  # fmt: skip
+    rows = [{"batch": batch, "variant": label} | ({"error": f"skipped ({flag})"} if skip else {"transformers_steps": n})
+            for label, _, n, skip, flag in variants]  # fmt: skip
+    todo = [(row, kw, n) for row, (_, kw, n, skip, _) in zip(rows, variants, strict=True) if not skip]
+    if not todo:
+        return rows
+    try:
+        model = hf_model(bench_shape(args), device, dtype)
+    except Exception as e:  # e.g. out of memory: the rows say so, the table is still written
+        free_cuda()
+        error = f"building the model: {type(e).__name__}: {str(e).splitlines()[0][:140]}"
+        return [row | {"error": error} if "error" not in row else row for row in rows]
     ids = torch.tensor(prompts, device=device)  # [batch, prompt_len]: equal lengths, no padding
 
     def generate(n: int, **kw) -> float:
@@ -254,12 +279,7 @@ def hf_rows(args, prompts: list[list[int]], device: torch.device, dtype: torch.d
         assert out.shape[1] == ids.shape[1] + n, out.shape
         return time.perf_counter() - t0
 
-    variants = [("transformers dynamic cache", {}, args.hf_dynamic_steps),
-                ("transformers static cache (compiled)", {"cache_implementation": "static"}, args.steps)]  # fmt: skip
-    if args.skip_hf_static:
-        variants = variants[:1]
-    for label, kw, n in variants:
-        row: dict[str, Any] = {"variant": label, "transformers_steps": n}
+    for row, kw, n in todo:
         try:
             row["first_call_s"] = generate(n, **kw)  # static: includes torch.compile
             t1 = min(generate(1, **kw) for _ in range(3))
@@ -267,8 +287,7 @@ def hf_rows(args, prompts: list[list[int]], device: torch.device, dtype: torch.d
             row["ms"] = (tn - t1) / (n - 1) * 1e3
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        rows.append(row)
-    model = None
+    model = ids = None
     free_cuda()
     return rows
 
@@ -279,13 +298,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--backend", default="triton")
     p.add_argument("--tiny", action="store_true", help="a tiny shape: a smoke run of the code paths")
-    p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES), help="the model shape (random weights)")
-    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    p.add_argument("--shape", default=DEFAULT_SHAPE, choices=sorted(SHAPES), help="the model shape (random weights)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="requests decoding together (several: each in turn, one table)",
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--warmup", type=int, default=16)
     p.add_argument("--hf-dynamic-steps", type=int, default=32, help="the dynamic cache is slow: fewer steps")
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers rows")
+    p.add_argument("--skip-hf-dynamic", action="store_true", help="no transformers dynamic-cache row")
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=32)
@@ -294,9 +320,29 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parser().parse_args(argv)
-    name = args.name or (NAME if not args.tiny else NAME + "_tiny")
-    return run_table(name, torch.device(args.device), args, measure, render, ("variant",))
+    p = parser()
+    args = p.parse_args(argv)
+    if min(args.batch) < 1 or len(set(args.batch)) != len(args.batch):
+        p.error(f"--batch: distinct sizes >= 1, got {args.batch}")
+    if min(args.steps, args.hf_dynamic_steps) < 2:
+        p.error("--steps and --hf-dynamic-steps must be >= 2 (transformers' rows difference two calls)")
+    return run_table(default_name(args), torch.device(args.device), args, measure, render, ("batch", "variant"))
+
+
+def default_name(args) -> str:
+    """--name, else bench_decode for the default (Llama-3.2-1B, batch 1), a suffix per departure from it:
+    `_8b` for --shape llama-3.1-8b, `_b1-64` for --batch 1 64, `_tiny`."""
+    if args.name:
+        return args.name
+    name = NAME
+    if not args.tiny and args.shape != DEFAULT_SHAPE:
+        name += "_" + args.shape.rsplit("-", 1)[-1]
+    if args.batch != [1]:
+        name += "_b" + "-".join(map(str, args.batch))
+    return name + ("_tiny" if args.tiny else "")
+
+
+FLOOR = "floor: (weight + KV bytes) / copy bandwidth"
 
 
 def bench_shape(args) -> dict[str, Any]:
@@ -311,53 +357,74 @@ def kv_bytes_per_step(shape: dict[str, Any], batch: int, context: float, dtype: 
 
 
 def measure(args) -> dict[str, Any]:
-    """One repeat of the whole table: the ceiling, the research_lm rows and transformers' rows."""
+    """One repeat of the whole table: at each batch size, the floor, the research_lm rows and transformers'."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)  # --dtype choices are torch dtype names
     shape = bench_shape(args)
     copy_bw = copy_bandwidth(device)
     path = model_dir(shape)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(args.batch)]
 
     from research_lm.models.loader import build_model, load_config
 
     probe = build_model(load_config(path), device="cpu", dtype=dtype, attention_backend="torch_ref")  # torch.empty
     wbytes = weight_bytes(probe)
-    context = args.prompt_len + args.warmup + args.steps / 2  # the mean context of the measured steps
-    kv_bytes = kv_bytes_per_step(shape, args.batch, context, dtype) if args.batch > 1 else 0.0
-    floor_ms = (wbytes + kv_bytes) / copy_bw * 1e3
-    label = "floor: weight bytes / copy bandwidth" if not kv_bytes else "floor: (weight + KV bytes) / copy bandwidth"
-    rows: list[dict[str, Any]] = [{"variant": label, "ms": floor_ms}]
-    rows += research_lm_rows(path, args, prompts, device)
-    if not args.skip_hf:
-        rows += hf_rows(args, prompts, device, dtype)
+    probe = None
+    # the mean context of the measured steps: after the prefill step (prompt + its first token), decode step i
+    # (from 0) writes the KV of position prompt + i and attends over prompt + 1 + i tokens; the measured steps
+    # are i = warmup ... warmup + steps - 1
+    context = args.prompt_len + 1 + args.warmup + (args.steps - 1) / 2
+    rows: list[dict[str, Any]] = []
+    for batch in args.batch:
+        rng = random.Random(0)  # the same first prompt at every batch size
+        prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(batch)]
+        kv_bytes = kv_bytes_per_step(shape, batch, context, dtype)
+        rows.append({"batch": batch, "variant": FLOOR, "ms": (wbytes + kv_bytes) / copy_bw * 1e3, "kv_bytes": kv_bytes})
+        rows += research_lm_rows(path, args, prompts, device)
+        if not args.skip_hf:
+            rows += hf_rows(args, prompts, device, dtype)
+        if device.type == "cuda":  # every model was freed: a leak here would add up over batches and repeats
+            print(f"batch {batch} done; CUDA memory still allocated {torch.cuda.memory_allocated(device) / 1e9:.2f} GB",
+                  flush=True)  # fmt: skip
     return {
-        "copy_tb_s": copy_bw / 1e12, "weight_bytes": wbytes, "kv_bytes_per_step": kv_bytes, "shape": shape,
-        "shape_name": "tiny" if args.tiny else args.shape, "batch": args.batch, "dtype": args.dtype,
-        "prompt_len": args.prompt_len, "steps": args.steps, "warmup": args.warmup, "rows": rows,
+        "copy_tb_s": copy_bw / 1e12, "weight_bytes": wbytes, "shape": shape,
+        "shape_name": "tiny" if args.tiny else args.shape, "batches": args.batch, "dtype": args.dtype,
+        "prompt_len": args.prompt_len, "steps": args.steps, "warmup": args.warmup, "mean_context": context,
+        "rows": rows,
     }  # fmt: skip
 
 
 def render(payload: dict[str, Any]) -> str:
     rows = payload["rows"]
-    floor = rows[0]["ms"]
-    static = next((r.get("ms") for r in rows if r["variant"].startswith("transformers static")), None)
+    batches = payload["batches"]
+    multi = len(batches) > 1
+
+    def at(r: dict[str, Any]) -> int:
+        return int(r.get("batch", 1))
+
+    def label(r: dict[str, Any]) -> str:
+        return f"batch {at(r)}: {r['variant']}" if multi else r["variant"]
+
+    floor = {at(r): r for r in rows if r["variant"] == FLOOR}
+    static = {at(r): r["ms"] for r in rows if r["variant"].startswith("transformers static") and "ms" in r}
     s = payload["shape"]
-    batch = payload.get("batch", 1)
-    name = {"llama-3.1-8b": "Llama-3.1-8B", "tiny": "tiny"}.get(payload.get("shape_name"), "Llama-3.2-1B")
-    kv = payload.get("kv_bytes_per_step") or 0
-    kv_note = (f" The floor adds the KV cache a step reads at the mean context of the measured steps "
-               f"({kv / 1e9:.3f} GB for {batch} requests)." if kv else "")
+    name = SHAPE_NAMES.get(payload.get("shape_name"), payload.get("shape_name"))
+    kv = ", ".join(f"{floor[b]['kv_bytes'] / 1e9:.3f} GB" + (f" at batch {b}" if multi else "")
+                   for b in batches if b in floor)  # fmt: skip
+    which = f"Batch-{batches[0]} decode" if not multi else f"Decode at batch {', '.join(map(str, batches))}"
+    same = " (at the same batch)" if multi else ""
+    prompts = f"{batches[0]} prompt(s)" if not multi else "at each batch size that many prompts (decoding together)"
     head = (
-        f"{env_line(payload['env'])}\n\nBatch-{batch} decode, {name} shape (hidden {s['hidden_size']}, "
+        f"{env_line(payload['env'])}\n\n{which}, {name} shape (hidden {s['hidden_size']}, "
         f"{s['num_hidden_layers']} layers, {s['num_attention_heads']}/{s['num_key_value_heads']} heads, vocab "
         f"{s['vocab_size']}, {'tied' if s.get('tie_word_embeddings', True) else 'untied'}), random weights, "
-        f"{payload['dtype']}; {batch} prompt(s) of {payload['prompt_len']} tokens, "
+        f"{payload['dtype']}; {prompts} of {payload['prompt_len']} random tokens, "
         f"median of {payload['steps']} decode steps after {payload['warmup']}. Weights "
         f"{payload['weight_bytes'] / 1e9:.3f} GB; copy bandwidth {payload['copy_tb_s']:.2f} TB/s (read+write, "
-        f"measured in this run).{kv_note} tok/s: output tokens per second of the whole batch. \"× floor\": ms / "
-        f"floor ms; \"vs HF static\": transformers static ms / ms. {repeats_line(payload)}\n"
+        f"measured in this run). Floor: (weight bytes + the KV cache a step reads at the mean context of the "
+        f"measured steps, {payload['mean_context']:.0f} tokens: {kv}) / copy bandwidth. ms/step: one engine step "
+        f"(a token of every request); tok/s: output tokens per second of the whole batch (batch / step time); "
+        f"GB/s: the floor's bytes (weights + KV) / step time, the floor row's being the copy bandwidth. "
+        f'"× floor": ms / floor ms{same}; "vs HF static": transformers static ms / ms{same}. {repeats_line(payload)}\n'
     )
     lines = []
     stages = [r for r in rows if "stages_ms" in r]
@@ -365,7 +432,7 @@ def render(payload: dict[str, Any]) -> str:
         names = list(stages[0]["stages_ms"])
         lines += ["Stages of a research_lm decode step, ms (a device sync closes each stage, so each carries its "
                   "GPU work; the step total is therefore a little above the unsynchronized median):", "",
-                  "| stage | " + " | ".join(r["variant"] for r in stages) + " |",
+                  "| stage | " + " | ".join(label(r) for r in stages) + " |",
                   "| --- |" + " ---: |" * len(stages)]  # fmt: skip
         for n in names:
             lines.append(f"| {n} | " + " | ".join(_stage(r, n) for r in stages) + " |")
@@ -373,16 +440,19 @@ def render(payload: dict[str, Any]) -> str:
     for r in rows:
         if "kernels" in r:
             k = r["kernels"]
-            lines += [f"CUDA kernels of a {r['variant']} step: {k['kernel_ms_per_step']:.3f} ms of kernel time per "
+            lines += [f"CUDA kernels of a {label(r)} step: {k['kernel_ms_per_step']:.3f} ms of kernel time per "
                       "step; the top ones:", "", "| kernel | ms/step | launches/step |",
                       "| --- | ---: | ---: |"]  # fmt: skip
             lines += [f"| `{t['kernel']}` | {t['ms_per_step']:.3f} | {t['launches_per_step']} |" for t in k["top"]]
             lines.append("")
-    lines += [head, "| variant | ms/step | tok/s | × floor | vs HF static | note |",
-              "| --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    first = "| batch " if multi else ""
+    lines += [head, first + "| variant | ms/step | tok/s | GB/s | × floor | vs HF static | note |",
+              ("| ---: " if multi else "") + "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
     for r in rows:
+        b = at(r)
+        lead = f"| {b} " if multi else ""
         if "ms" not in r:
-            lines.append(f"| {r['variant']} | — | — | — | — | {r.get('error', '')} |")
+            lines.append(f"{lead}| {r['variant']} | — | — | — | — | — | {r.get('error', '')} |")
             continue
         ms = r["ms"]
         note = ""
@@ -392,9 +462,12 @@ def render(payload: dict[str, Any]) -> str:
             note = f"first call (compile, warm-up) {r['first_call_s']:.1f} s; {r['transformers_steps']} tokens"
         if r.get("errors"):
             note += f"; {len(r['errors'])} repeat(s) failed: {r['errors'][0]}"
-        vs = f"{static / ms:.2f}" if static else "—"
-        lines.append(f"| {r['variant']} | {cell(r, 'ms', '.3f')} | {cell(r, 'ms', '.0f', lambda v: batch * 1e3 / v)} | "
-                     f"{ms / floor:.2f} | {vs} | {note} |")
+        vs = f"{static[b] / ms:.2f}" if b in static else "—"
+        fl = f"{ms / floor[b]['ms']:.2f}" if b in floor else "—"
+        read = payload["weight_bytes"] + (floor[b]["kv_bytes"] if b in floor else 0)  # bytes a step must read
+        tok_s = cell(r, "ms", ".0f", lambda v, b=b: b * 1e3 / v)
+        gb_s = cell(r, "ms", ".0f", lambda v, n=read: n / v / 1e6)
+        lines.append(f"{lead}| {r['variant']} | {cell(r, 'ms', '.3f')} | {tok_s} | {gb_s} | {fl} | {vs} | {note} |")
     return "\n".join(lines)
 
 

@@ -10,8 +10,8 @@ case ${1:-tests} in
   tests)  # every GPU test of the runner's graphs, compile, the engine and the attention zoo
     python -m pytest -m gpu tests/test_cuda_graphs.py tests/engine/test_compile.py tests/engine/test_gpu_engine.py \
       tests/spec_decode/test_draft_graphs.py tests/attention_zoo -p no:cacheprovider -rfE -q ;;
-  8b)  # the Llama-3.1-8B shape at batch 1 and 64 (bench_decode --shape/--batch; never run yet), ~5 min each
-    python -m experiments.paper bench_decode_8b && python -m experiments.paper bench_decode_8b_b64 ;;
+  8b)  # the Llama-3.1-8B shape at batch 1 and 64 in one table (bench_decode --shape/--batch; never run yet), ~5 min
+    python -m experiments.paper bench_decode_8b ;;
   presets)  # attention_ablation's gpu: block did not finish in 290 s when graphs were off by default; the rest ran
     mkdir -p outputs
     time python -m research_lm experiment=attention_ablation logger=jsonl > outputs/preset_attention_ablation.log 2>&1 \

@@ -175,13 +175,53 @@ def test_printed_sweep_commands_run_elsewhere_then_write_the_table(tmp_path, mon
     assert "| zipf | lpt |" in text and "--from-sweep" in text and "3 repeat(s)" in text
 
 
-def test_bench_decode_takes_the_8b_shape_and_a_batch(tmp_path):
-    """--shape picks Llama-3.1-8B (never built on CPU here); the batch-64 table's CPU smoke run decodes a
-    batch of 2 and adds the KV read to the floor."""
+def test_bench_decode_takes_the_8b_shape_and_batches_without_building_it():
+    """--shape llama-3.1-8b maps to the Llama-3.1-8B config (never built on a CPU here); --batch takes one or
+    more sizes; the default (1B, batch 1) keeps its file name, others get their own."""
     bench = paper.import_bench("bench_decode")
     args = bench.parser().parse_args(["--shape", "llama-3.1-8b", "--batch", "64"])
     shape = bench.bench_shape(args)
-    assert (shape["hidden_size"], shape["num_hidden_layers"], shape["tie_word_embeddings"]) == (4096, 32, False)
+    assert shape is bench_common.LLAMA_3_1_8B and args.batch == [64]
+    assert (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]) == (4096, 14336, 32)
+    assert (shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]) == (32, 8, 128)
+    assert (shape["vocab_size"], shape["tie_word_embeddings"]) == (128256, False)
+    assert (shape["max_position_embeddings"], shape["rms_norm_eps"], shape["bos_token_id"], shape["eos_token_id"]) == (
+        131072, 1e-5, 128000, 128001)
+    assert shape["rope_parameters"] == dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0, original_max_position_embeddings=8192)
     assert bench.kv_bytes_per_step(shape, 64, 1000, bench.torch.bfloat16) == 64 * 1000 * 32 * 2 * 8 * 128 * 2
-    md = paper.run("bench_decode_8b_b64", allow_cpu=True, out=tmp_path).read_text()
-    assert "Batch-2 decode, tiny shape" in md and "floor: (weight + KV bytes) / copy bandwidth" in md
+    assert bench.default_name(args) == "bench_decode_8b_b64"
+    default = bench.parser().parse_args([])
+    assert bench.bench_shape(default) is bench_common.LLAMA_3_2_1B and default.batch == [1]
+    assert bench.default_name(default) == "bench_decode"
+    table = bench.parser().parse_args(list(paper.TABLES["bench_decode_8b"].args))  # what the paper entry runs
+    assert (table.shape, table.batch, table.steps) == ("llama-3.1-8b", [1, 64], 32)
+    with pytest.raises(SystemExit):
+        bench.main(["--batch", "0"])
+
+
+def test_bench_decode_batch_2_on_a_cpu(tmp_path):
+    """--batch 2 --tiny: two requests decode together; the floor adds their KV read; tok/s counts both."""
+    bench = paper.import_bench("bench_decode")
+    payload = bench.main(["--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batch",
+                          "2", "--steps", "3", "--warmup", "1", "--prompt-len", "8", "--hf-dynamic-steps", "2",
+                          "--skip-hf-static", "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
+    rows = {r["variant"]: r for r in payload["rows"]}
+    assert payload["batches"] == [2] and all(r["batch"] == 2 for r in rows.values())
+    floor = rows["floor: (weight + KV bytes) / copy bandwidth"]
+    context = 8 + 1 + 1 + (3 - 1) / 2  # prompt + first token + warmup + the mean of the measured steps
+    assert floor["kv_bytes"] == 2 * context * 2 * 2 * 2 * 16 * 4  # batch x context x layers x K,V x heads x dim x fp32
+    eager = rows["research_lm eager"]
+    assert eager["ms"] > 0 and rows["transformers dynamic cache"]["ms"] > 0
+    assert rows["transformers static cache (compiled)"]["error"] == "skipped (--skip-hf-static)"
+    md = (tmp_path / "bench_decode_b2_tiny.md").read_text()
+    assert "Batch-2 decode, tiny shape" in md
+    assert f"| research_lm eager | {eager['ms']:.3f} | {2e3 / eager['ms']:.0f} |" in md  # tok/s: both requests
+
+
+def test_bench_decode_8b_table_smoke_runs_both_batches_on_a_cpu(tmp_path):
+    """The bench_decode_8b entry (batch 1 and 64 on a GPU) as its CPU smoke run: tiny, batch 1 and 2, one table."""
+    md = paper.run("bench_decode_8b", allow_cpu=True, out=tmp_path).read_text()
+    assert "Decode at batch 1, 2, tiny shape" in md and "| batch | variant | ms/step | tok/s |" in md
+    assert "| 1 | floor: (weight + KV bytes) / copy bandwidth |" in md and "| 2 | research_lm eager |" in md
+    assert "| 2 | transformers dynamic cache |" in md
