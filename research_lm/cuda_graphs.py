@@ -68,6 +68,12 @@ def unsupported_reason(model: torch.nn.Module, backends: Sequence[Any], device: 
     declares `cuda_graphs = False` (MoE routing does)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
+    return uncapturable_reason(model, backends)
+
+
+def uncapturable_reason(model: torch.nn.Module, backends: Sequence[Any]) -> str | None:
+    """Why this model's forward with these attention backends cannot be captured, whatever the device
+    (None: it can). A drafter checks itself with this: it may be another architecture than the target."""
     eager = sorted(b.name for b in backends if not b.capabilities.cuda_graphs)
     if eager:
         return f"attention backend(s) {eager} do not support CUDA graphs"
@@ -88,11 +94,6 @@ def pad_step_inputs(buf: StepBuffers, num_reqs: int, num_tokens: int, padded_req
     buf.seq_lens.np[n:b] = 0
     buf.num_computed.np[n:b] = 0
     buf.request_rows.np[n:b] = -1
-
-
-def pad_decode_inputs(buf: StepBuffers, num_reqs: int, padded: int) -> None:
-    """`pad_step_inputs` for a decode step: one token per request."""
-    pad_step_inputs(buf, num_reqs, num_reqs, padded, padded)
 
 
 def graph_metadata(

@@ -24,8 +24,9 @@ host), at position 0 so no rotary table is read out of range.
 Used only when every drafting request is greedy with nothing that changes the argmax (`argmax_only`: no
 penalties, min_tokens ban or logprobs) and the batch fits the largest size; otherwise `Drafting.chain`
 runs its eager steps. Not captured at all for a drafter with a layer that syncs with the host in forward
-(`capturable`). The attention launch plan is fixed at capture with max_seq_len = max_model_len +
-num_lookahead_tokens, the longest any draft row reaches.
+(`research_lm.cuda_graphs.uncapturable_reason`: the runner checks only the target). The attention launch
+plan is fixed at capture with max_seq_len = max_model_len + num_lookahead_tokens, the longest any draft
+row reaches.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.cuda_graphs import Capture
@@ -43,15 +43,6 @@ from research_lm.cuda_graphs import Capture
 # (ids [A], positions [A], metadata, carry [A, H] | None) -> (logits [A, >= vocab] fp32, next carry | None)
 DraftStep = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],
                      tuple[torch.Tensor, torch.Tensor | None]]
-
-
-def capturable(drafter: nn.Module, layers: Sequence[CacheLayer]) -> bool:
-    """Whether the drafter's forward can be captured: its attention backends allow graphs and none of its
-    layer classes declares `cuda_graphs = False` (MoE routing reads expert counts on the host). The runner
-    checks the target alone, and the draft model may be another architecture."""
-    return all(layer.backend.capabilities.cuda_graphs for layer in layers) and all(
-        getattr(type(m), "cuda_graphs", True) is not False for m in drafter.modules()
-    )
 
 
 class DraftChainGraphs:
@@ -83,7 +74,7 @@ class DraftChainGraphs:
         self.seq_lens = torch.zeros(a, **i32)
         self.slot_mapping = torch.full((a,), -1, **i64)
         self.request_rows = torch.full((a,), -1, **i32)
-        self.drafts = torch.zeros(a, max(self.k - 1, 1), **i64)
+        self.drafts = torch.zeros(a, self.k - 1, **i64)  # built only for k >= 2
         self._replay: dict[int, Callable[[], Any]] = {}
         backends = {layer.backend.name: layer.backend for layer in layers}
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None

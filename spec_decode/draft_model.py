@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from research_lm.cuda_graphs import Capture
+from research_lm.cuda_graphs import Capture, uncapturable_reason
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
 from research_lm.request import Request
 from research_lm.spec import Proposal, StepOutcome
-from spec_decode.draft_graphs import DraftChainGraphs, capturable
+from spec_decode.draft_graphs import DraftChainGraphs
 from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
 
 _PAGED_KINDS = ("attention", "mla")
@@ -119,7 +119,8 @@ class DraftModelProposer:
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
                             max_blocks_per_req: int) -> None:
         """Graphs of the chained drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
-        if self.num_speculative_tokens < 2 or not capturable(self.model, self.cache_layers):
+        backends = [layer.backend for layer in self.cache_layers]
+        if self.num_speculative_tokens < 2 or uncapturable_reason(self.model, backends) is not None:
             return
 
         def step(ids, positions, md, _):

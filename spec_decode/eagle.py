@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from research_lm.cuda_graphs import Capture
+from research_lm.cuda_graphs import Capture, uncapturable_reason
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, is_rotary_buffer, load_params
 from research_lm.models.layers import (
     GatedMLP,
@@ -53,7 +53,7 @@ from research_lm.models.layers import (
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
 from research_lm.spec import Proposal, StepOutcome
-from spec_decode.draft_graphs import DraftChainGraphs, capturable
+from spec_decode.draft_graphs import DraftChainGraphs
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
@@ -283,7 +283,8 @@ class EagleProposer:
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
                             max_blocks_per_req: int) -> None:
         """Graphs of the chained drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
-        if self.num_speculative_tokens < 2 or not capturable(self.head, self.cache_layers):
+        backends = [layer.backend for layer in self.cache_layers]
+        if self.num_speculative_tokens < 2 or uncapturable_reason(self.head, backends) is not None:
             return
 
         def step(ids, positions, md, carry):

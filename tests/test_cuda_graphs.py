@@ -23,7 +23,7 @@ from research_lm.cuda_graphs import (
     default_capture_sizes,
     eager_capture,
     graph_metadata,
-    pad_decode_inputs,
+    pad_step_inputs,
     unsupported_reason,
 )
 
@@ -46,7 +46,7 @@ def test_pad_decode_inputs_marks_rows_past_the_batch_as_empty():
     buf.query_start_loc.np[n + 1 :] = 99  # stale values of an earlier step
     buf.seq_lens.np[:8] = 11
     buf.request_rows.np[:8] = 2
-    pad_decode_inputs(buf, n, 8)
+    pad_step_inputs(buf, n, n, 8, 8)  # a decode step: one token per request
     assert buf.input_ids.np[:n].tolist() == [7] * n and buf.input_ids.np[n:8].tolist() == [0] * 5
     assert buf.slot_mapping.np[n:8].tolist() == [-1] * 5 and buf.slot_mapping.np[:n].tolist() == [5] * n
     assert buf.query_start_loc.np[:9].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
