@@ -70,6 +70,7 @@ SHAPE_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B", "
 # research_lm rows: label -> LLM keywords
 VARIANTS: dict[str, dict[str, Any]] = {
     "research_lm eager": {"cuda_graphs": False},
+    "research_lm CUDA graphs, synchronous steps": {"cuda_graphs": True, "async_scheduling": False},
     "research_lm CUDA graphs": {"cuda_graphs": True},
     "research_lm compiled + CUDA graphs": {"cuda_graphs": True, "compile": True},
 }
@@ -141,8 +142,9 @@ def stage_profile(engine, prompts: list[list[int]], steps: int, device: torch.de
     """Mean ms per decode step in each stage, a device sync closing each stage."""
     runner, sched = engine.runner, engine.scheduler
     stages = [("schedule", sched, "schedule"), ("prepare_inputs", runner, "_prepare_inputs"),
-              ("forward (eager)", runner.model, "forward"), ("forward (graph replay)", runner.cuda_graphs, "run"),
-              ("logits", runner.model, "compute_logits"), ("sample", runner, "_sample_or_verify"),
+              ("forward (eager)", runner.model, "forward"), ("forward (graph replay)", runner.cuda_graphs, "replay"),
+              ("logits", runner.model, "compute_logits"), ("sample", runner, "_launch_sampling"),
+              ("collect (wait for the ids)", runner, "collect"),
               ("update_from_output", sched, "update_from_output"),
               ("metrics", engine.metrics, "record_step")]  # fmt: skip
     totals: dict[str, float] = defaultdict(float)

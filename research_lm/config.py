@@ -42,6 +42,10 @@ class EngineConfig:
     # The model forward through torch.compile (inductor, dynamic shapes; attention stays eager; composes with
     # cuda_graphs). See research_lm/compilation.py.
     compile: bool = False
+    # Schedule and launch step N + 1 before collecting step N's tokens, so the host work of a step overlaps
+    # the device's (research_lm/scheduler.py). None: on for CUDA without a proposer or expert parallelism
+    # (speculative steps need their tokens on the host to draft); True elsewhere works too (CPU: no gain).
+    async_scheduling: bool | None = None
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (speed runs, vLLM's name)
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
 

@@ -249,18 +249,22 @@ class DecodeGraphs:
             self.addresses[b, q] |= {"logits": self.logits.data_ptr(), "greedy_ids": self.greedy_ids.data_ptr()}
         return replay
 
-    def padded_size(self, common: CommonAttentionMetadata) -> tuple[int, int] | None:
-        """The captured (batch size, query length) this step replays, or None when it runs eagerly.
+    def key_for(self, num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
+        """The captured (batch size, query length) a step of num_reqs requests replays, or None when it
+        runs eagerly.
 
         Query length 1 serves pure decode only (its launch plan is the decode one); a longer one
         serves any step whose queries are at most that long."""
-        need = common.max_query_len
+        need = max_query_len
         for q, sizes in self.sizes.items():
             if q == need or (need > 1 and q > need):
-                i = bisect.bisect_left(sizes, common.num_reqs)
+                i = bisect.bisect_left(sizes, num_reqs)
                 if i < len(sizes):
                     return sizes[i], q
         return None
+
+    def padded_size(self, common: CommonAttentionMetadata) -> tuple[int, int] | None:
+        return self.key_for(common.num_reqs, common.max_query_len)
 
     def covers(self, common: CommonAttentionMetadata) -> bool:
         return self.padded_size(common) is not None
@@ -276,8 +280,15 @@ class DecodeGraphs:
         pad_step_inputs(buf, n, t, b, b * q)
         for x in (buf.input_ids, buf.positions, buf.slot_mapping):
             x.copy_to_gpu(b * q)
-        buf.seq_lens.copy_to_gpu(b)
+        for x in (buf.seq_lens, buf.request_rows):
+            x.copy_to_gpu(b)
         buf.query_start_loc.copy_to_gpu(b + 1)
+        return self.replay(key, t)
+
+    def replay(self, key: tuple[int, int], num_tokens: int) -> GraphStep:
+        """Replay the graph of `key` over step buffers already padded to its size and copied (the runner's
+        `_prepare_inputs` does both): token rows 0 .. num_tokens of the outputs, valid until the next replay."""
+        t = num_tokens
         out = _head(self._replay[key](), t)
         if self.logits is None:
             return GraphStep(out, None, None)

@@ -20,7 +20,7 @@ from research_lm.ops import set_fused_ops
 from research_lm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from research_lm.request import Request, RequestStatus
 from research_lm.rng import mix_seed
-from research_lm.runner import ModelRunner
+from research_lm.runner import ModelRunner, PendingStep
 from research_lm.sampling_params import SamplingParams
 from research_lm.scheduler import Scheduler
 from research_lm.spec import build_proposer
@@ -100,10 +100,20 @@ class LLMEngine:
             num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0),
             sliding_window=self._shared_sliding_window(),
         )
+        self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device, proposer)
+        self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
         self._rejected: list[Request] = []  # failed validation: reported at the next step
         self._prompt_text: dict[str, str] = {}  # request id -> the prompt string, when one was given
+
+    def _resolve_async_scheduling(self, asked: bool | None, device: torch.device, proposer) -> bool:
+        blocker = ("speculative decoding (drafting needs each step's tokens on the host)" if proposer is not None
+                   else "expert parallelism (rank 0's tokens are broadcast every step)" if self.ep is not None
+                   else None)
+        if asked and blocker:
+            raise ValueError(f"async_scheduling=True does not combine with {blocker}; leave it unset or False")
+        return blocker is None and (asked if asked is not None else device.type == "cuda")
 
     def _shared_sliding_window(self) -> int | None:
         """The window, if every layer reading the block table uses the same one: then blocks that fall
@@ -189,13 +199,15 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+        return bool(self._rejected) or self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, update requests; return the requests that finished."""
         finished, self._rejected = self._rejected, []
-        if self.scheduler.has_unfinished_requests():
+        if self.async_scheduling:
+            finished += self._step_async()
+        elif self.scheduler.has_unfinished_requests():
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             out = self.runner.execute(sched)
@@ -208,6 +220,33 @@ class LLMEngine:
         outputs = [self.make_output(r) for r in finished]
         self.metrics.record_finished(outputs)
         return outputs
+
+    def _step_async(self) -> list[Request]:
+        """Launch the next step, then collect the one in flight: the host's scheduling and input preparation
+        of step N + 1 run while the device computes step N. Nothing is scheduled ahead when that could
+        preempt or needs token values (`Scheduler.can_schedule_ahead`): then this step only collects, and the
+        next one starts from a fully known state."""
+        t0 = time.perf_counter()
+        if self._in_flight is None:
+            if not self.scheduler.has_unfinished_requests():
+                return []
+            self._in_flight = self._launch()
+        collecting, self._in_flight = self._in_flight, None
+        if self.scheduler.has_unfinished_requests() and self.scheduler.can_schedule_ahead():
+            ahead = self._launch()
+            self._in_flight = ahead if ahead.sched.scheduled else None  # an empty step ran whole in launch
+        out = self.runner.collect(collecting)
+        finished = self.scheduler.update_from_output(collecting.sched, out)
+        self.metrics.record_step(collecting.sched, out, self.scheduler.stats(), time.perf_counter() - t0)
+        return finished
+
+    def _launch(self) -> PendingStep:
+        sched = self.scheduler.schedule()
+        pending = self.runner.launch(sched)
+        if self.eplb is not None:
+            self.eplb.step()
+        self.scheduler.assume_launched(sched)
+        return pending
 
     def make_output(self, req: Request) -> RequestOutput:
         text = ""

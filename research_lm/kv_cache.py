@@ -180,6 +180,9 @@ class KVCacheManager:
         """Most tokens one request can hold: every non-null block."""
         return (self.pool.num_blocks - 1) * self.block_size
 
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self._req_blocks.get(request_id, ()))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self._req_blocks.get(request_id, ()))
 
@@ -207,7 +210,7 @@ class KVCacheManager:
         `num_computed_tokens` must not exceed `request.num_tokens` (drafts are never cached)."""
         if not self.enable_prefix_caching:
             return
-        assert num_computed_tokens <= request.num_tokens, "only real (non-draft) tokens can be cached"
+        assert num_computed_tokens <= request.num_known_tokens, "only known (non-draft) tokens can be cached"
         blocks = self._req_blocks[request.request_id]
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)
@@ -228,7 +231,7 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         prompt, output = request.prompt_token_ids, request.output_token_ids
         n_prompt = len(prompt)
-        for i in range(len(hashes), request.num_tokens // bs):
+        for i in range(len(hashes), request.num_known_tokens // bs):  # placeholders are not tokens yet
             start, end = i * bs, (i + 1) * bs
             if end <= n_prompt:
                 tokens = tuple(prompt[start:end])

@@ -20,6 +20,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # running requests first, then newly admitted ones
     finished_req_ids: set[str] = field(default_factory=set)  # left since last step: drop their rows
     preempted_req_ids: set[str] = field(default_factory=set)  # preempted: drop rows, reset state
+    assumed: bool = False  # async scheduling: requests advanced at launch (`Scheduler.assume_launched`)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from research_lm.sampling_params import SamplingParams
 
+# An output slot whose token a launched step is still computing (async scheduling); never a real token id.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -36,6 +39,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV (or state) is in the cache
     num_cached_tokens: int = -1  # prefix-cache hits at first schedule; -1 = not yet scheduled
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    # Trailing PLACEHOLDERs in output_token_ids: tokens of launched steps not yet collected (async scheduling).
+    num_output_placeholders: int = 0
     block_hashes: list[int] = field(default_factory=list)  # hash chain over full blocks
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -62,6 +67,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows: all but the trailing placeholders."""
+        return self.num_tokens - self.num_output_placeholders
 
     @property
     def num_tokens_with_spec(self) -> int:

@@ -1,7 +1,11 @@
 """The model runner: the thin orchestrator every ablation shares.
 
 One step = update rows → prepare inputs → attention metadata → forward (CUDA graph or eager) → logits →
-sample or verify → propose.
+sample or verify → propose. `launch` enqueues a plain-decoding step and returns without waiting for the
+device; `collect` waits for its tokens (the step's one sync), so the engine can prepare and launch the next
+step while this one runs (async scheduling). Tokens the next step needs before they reach the host
+(`PLACEHOLDER`s in its input) are copied on the device from the launched step's sampled ids.
+Speculative steps run whole inside `launch` (drafting needs the emitted tokens).
 A decode or verify step covered by a CUDA graph replays forward, logits and their argmax in one graph;
 an all-greedy decode batch without penalties, min_tokens or logprobs then takes the graph's argmax as its
 tokens (one replay, one device -> host copy of the ids), any other batch samples (or rejection-samples)
@@ -12,6 +16,7 @@ Each stage lives in a sibling module and enters here in one line; keep it that w
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,9 +24,16 @@ import torch
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.buffers import StepBuffers
 from research_lm.compilation import compile_forward
-from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, default_capture_sizes, unsupported_reason
+from research_lm.cuda_graphs import (
+    DecodeGraphs,
+    cuda_graph_capture,
+    default_capture_sizes,
+    pad_step_inputs,
+    unsupported_reason,
+)
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from research_lm.request import Logprob
+from research_lm.request import PLACEHOLDER
+from research_lm.rng import to_device
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, compute_probs
 from research_lm.spec import Proposal, Proposer, StepOutcome, load_rejection_sampler
 
@@ -43,6 +55,20 @@ class RequestRows:
             row = self.row_of.pop(req_id, None)
             if row is not None:
                 self.free.append(row)
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its output when already known (speculative steps, empty steps), else the sampled
+    ids on their way to `host_ids` (ready when `copied` has fired) and what `collect` needs to finish."""
+
+    sched: SchedulerOutput
+    output: RunnerOutput | None = None
+    host_ids: torch.Tensor | None = None  # [num_sample_rows] int64, pinned on CUDA
+    copied: torch.cuda.Event | None = None
+    sample_rows: list[tuple[int, int]] | None = None
+    sampled: SamplerOutput | None = None
+    batch: SamplingBatch | None = None
 
 
 class ModelRunner:
@@ -79,6 +105,15 @@ class ModelRunner:
         self.rows = RequestRows(max_num_seqs)
         self.sampler = Sampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] q of pending drafts
+        # The last launched step's sampled ids on the device and the row of each request in them: the
+        # source of the next step's PLACEHOLDER inputs. Two host buffers alternate, since a step's ids
+        # are read by `collect` while the next step's are being copied.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        pin = device.type == "cuda"
+        self._host_ids = [torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._num_launched = 0
+        # Fires when a step's inputs have left the pinned host buffers, which the next step overwrites.
+        self._inputs_copied = torch.cuda.Event() if pin else None
         if proposer is not None and proposer.aux_hidden_state_layers:
             model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
 
@@ -121,8 +156,13 @@ class ModelRunner:
         return None
 
     # ---- one step -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step to the end (launch, then collect)."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Enqueue one step; a plain-decoding step returns before its tokens reach the host."""
         gone = sched.finished_req_ids | sched.preempted_req_ids
         self.rows.remove(gone)
         for req_id in gone:
@@ -130,63 +170,123 @@ class ModelRunner:
         if self.proposer is not None and gone:
             self.proposer.on_requests_removed(gone)
         if not sched.scheduled:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[])
+            return PendingStep(sched, output=RunnerOutput(req_ids=[], sampled_token_ids=[]))
 
         t0 = time.perf_counter()  # host spans are honest on GPU: each phase ends in a `.tolist()` sync
-        common, sample_rows = self._prepare_inputs(sched.scheduled)
+        common, sample_rows, graph_key, logits_indices = self._prepare_inputs(sched.scheduled)
         attn_metadata = {b.name: b.build_metadata(common) for b in self.backends}
         input_ids = self.buffers.input_ids.gpu[: common.num_tokens]
         positions = self.buffers.positions.gpu[: common.num_tokens]
         graph = None
-        if self.cuda_graphs is not None and self.cuda_graphs.covers(common):
-            graph = self.cuda_graphs.run(common)  # pure decode: replay the padded batch's graph
+        if graph_key is not None:
+            graph = self.cuda_graphs.replay(graph_key, common.num_tokens)  # inputs already padded and copied
         out = graph.out if graph is not None else self.forward(input_ids, positions, attn_metadata)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
 
         greedy_ids = None  # [num_sample_rows] int64, argmax of logits, when the graph computed it
-        if graph is not None and graph.logits is not None and len(sample_rows) == common.num_tokens:
+        if graph is not None and graph.logits is not None and logits_indices is None:
             logits, greedy_ids = graph.logits, graph.greedy_ids  # every token sampled: logits_indices = arange
-        else:
-            logits_indices = self.buffers.logits_indices.copy_to_gpu(len(sample_rows))
-            if graph is not None and graph.logits is not None:  # the graph computed every row's logits
-                logits = graph.logits[logits_indices]
-            else:
-                logits = self.model.compute_logits(hidden[logits_indices])  # [num_sample_rows, vocab]
-        emitted, logprobs, num_rejected = self._sample_or_verify(sched.scheduled, sample_rows, logits, greedy_ids)
+        elif graph is not None and graph.logits is not None:  # the graph computed every row's logits
+            logits = graph.logits[logits_indices]
+        else:  # [num_sample_rows, vocab]
+            logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
+        scheduled = sched.scheduled
+        if not any(s.spec_token_ids for s in scheduled) and self.proposer is None:
+            return self._launch_sampling(sched, sample_rows, logits, greedy_ids)
 
+        if any(s.spec_token_ids for s in scheduled):
+            emitted, logprobs, num_rejected = self._verify(scheduled, sample_rows, logits)
+        else:
+            pending = self._launch_sampling(sched, sample_rows, logits, greedy_ids)
+            output = self.collect(pending)
+            emitted, logprobs, num_rejected = output.sampled_token_ids, output.logprobs, [0] * len(scheduled)
         output = RunnerOutput(
-            req_ids=[s.request.request_id for s in sched.scheduled],
+            req_ids=[s.request.request_id for s in scheduled],
             sampled_token_ids=emitted,
             logprobs=logprobs,
-            num_draft_tokens=[len(s.spec_token_ids) for s in sched.scheduled],
+            num_draft_tokens=[len(s.spec_token_ids) for s in scheduled],
         )
         t1 = time.perf_counter()
-        if any(s.spec_token_ids for s in sched.scheduled):
+        if any(s.spec_token_ids for s in scheduled):
             output.verify_ms = (t1 - t0) * 1e3
-        if self.proposer is not None:
-            outcome = StepOutcome(
-                requests=[s.request for s in sched.scheduled], emitted=emitted, input_ids=input_ids,
-                positions=positions, query_start_loc_cpu=common.query_start_loc_cpu,
-                hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected, common=common,
-                attn_metadata=attn_metadata,
-            )
-            proposal: Proposal = self.proposer.propose(outcome)
-            # Model-based proposers end in the `.tolist()` of their drafts (a sync) and ngram runs on the
-            # host; only a step that drafts nothing may leave EAGLE's KV writes to the next step's span.
-            output.draft_ms = (time.perf_counter() - t1) * 1e3
-            output.draft_token_ids = proposal.token_ids
-            self.draft_probs.update(proposal.probs)
-        return output
+        outcome = StepOutcome(
+            requests=[s.request for s in scheduled], emitted=emitted, input_ids=input_ids,
+            positions=positions, query_start_loc_cpu=common.query_start_loc_cpu,
+            hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected, common=common,
+            attn_metadata=attn_metadata,
+        )
+        proposal: Proposal = self.proposer.propose(outcome)
+        # Model-based proposers end in the `.tolist()` of their drafts (a sync) and ngram runs on the
+        # host; only a step that drafts nothing may leave EAGLE's KV writes to the next step's span.
+        output.draft_ms = (time.perf_counter() - t1) * 1e3
+        output.draft_token_ids = proposal.token_ids
+        self.draft_probs.update(proposal.probs)
+        return PendingStep(sched, output=output)
+
+    def _launch_sampling(
+        self,
+        sched: SchedulerOutput,
+        sample_rows: list[tuple[int, int]],  # (request index, 0) per logits row: one per sampling request
+        logits: torch.Tensor,  # [num_sample_rows, vocab]
+        greedy_ids: torch.Tensor | None,  # [num_sample_rows] int64: logits.argmax(-1), from the graph
+    ) -> PendingStep:
+        """Sample one token per row and start copying the ids to the host; no sync.
+
+        greedy_ids stand in for the sampler where it would return exactly them (`batch.argmax_only`)."""
+        scheduled = sched.scheduled
+        batch = SamplingBatch.build([SamplingRow(scheduled[i].request) for i, _ in sample_rows],
+                                    self.vocab_size, self.device)
+        if greedy_ids is not None and batch.argmax_only:
+            sampled = SamplerOutput(greedy_ids)  # what the sampler returns here, computed in the graph
+        else:
+            sampled = self.sampler(logits, batch)
+        ids = sampled.token_ids
+        self._last_sampled = (ids, {scheduled[i].request.request_id: row for row, (i, _) in enumerate(sample_rows)})
+        host = self._host_ids[self._num_launched % 2][: len(ids)]
+        self._num_launched += 1
+        copied = None
+        if ids.is_cuda:
+            host.copy_(ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host.copy_(ids)
+        return PendingStep(sched, host_ids=host, copied=copied, sample_rows=sample_rows, sampled=sampled,
+                           batch=batch)
+
+    def collect(self, pending: PendingStep) -> RunnerOutput:
+        """Wait for a launched step's tokens; its RunnerOutput."""
+        if pending.output is not None:
+            return pending.output
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        scheduled = pending.sched.scheduled
+        emitted: list[list[int]] = [[] for _ in scheduled]
+        for (i, _), token in zip(pending.sample_rows, pending.host_ids.tolist(), strict=True):
+            emitted[i] = [token]
+        logprobs = None
+        if pending.sampled.logprobs is not None:
+            logprobs = [[] for _ in scheduled]
+            for (i, _), lp in zip(pending.sample_rows, pending.sampled.logprob_dicts(pending.batch), strict=True):
+                logprobs[i] = [lp] if lp is not None else []
+        return RunnerOutput(
+            req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted, logprobs=logprobs,
+            num_draft_tokens=[0] * len(scheduled),
+        )
 
     def _prepare_inputs(
         self, scheduled: list[ScheduledRequest]
-    ) -> tuple[CommonAttentionMetadata, list[tuple[int, int]]]:
-        """Fill the step buffers; return the attention record and (request index, draft offset) per
-        row to sample: one row for a decode, k+1 for verified drafts, none for a mid-prompt chunk.
+    ) -> tuple[CommonAttentionMetadata, list[tuple[int, int]], tuple[int, int] | None, torch.Tensor | None]:
+        """Fill the step buffers and copy them to the device; return the attention record, (request index,
+        draft offset) per row to sample (one row for a decode, k+1 for verified drafts, none for a mid-prompt
+        chunk), the CUDA graph that will replay the step (its inputs are then padded to its size), and the
+        token row of each sampled row on the device (None when every token row is sampled: arange).
 
         Host cost grows with the batch (256 decodes on every step of a throughput run), so the per-request
         loop only gathers lists; positions, slots and sample rows are computed in whole-batch numpy."""
         buf, bs = self.buffers, self.block_size
+        if self._inputs_copied is not None:  # the previous step's copies must have left the host buffers
+            self._inputs_copied.synchronize()
         num_reqs = len(scheduled)
         tokens: list[int] = []
         num_new = np.empty(num_reqs, dtype=np.int64)
@@ -226,60 +326,59 @@ class ModelRunner:
         logits_idx = qsl[1:][req_of_row] - np.repeat(num_drafts[sampling], num_rows) - 1 + offset
         buf.logits_indices.np[: len(logits_idx)] = logits_idx
         sample_rows = list(zip(req_of_row.tolist(), offset.tolist(), strict=True))
+        # Tokens still on the device (async scheduling): take them from the last launched step's ids.
+        holes = np.flatnonzero(buf.input_ids.np[:t] == PLACEHOLDER)
+        if len(holes):
+            buf.input_ids.np[holes] = 0
+            last_ids, last_row = self._last_sampled
+            src = [last_row[scheduled[r].request.request_id] for r in req_of_token[holes].tolist()]
+        max_query_len = int(num_new.max())
+        graph_key = self.cuda_graphs.key_for(num_reqs, max_query_len) if self.cuda_graphs is not None else None
+        nr, nt = num_reqs, t  # rows to copy: the step's, or the padded graph batch's
+        if graph_key is not None:
+            nr, nt = graph_key[0], graph_key[0] * graph_key[1]
+            pad_step_inputs(buf, num_reqs, t, nr, nt)
         common = CommonAttentionMetadata(
-            query_start_loc=buf.query_start_loc.copy_to_gpu(num_reqs + 1),
+            query_start_loc=buf.query_start_loc.copy_to_gpu(nr + 1)[: num_reqs + 1],
             query_start_loc_cpu=buf.query_start_loc.cpu[: num_reqs + 1],
-            seq_lens=buf.seq_lens.copy_to_gpu(num_reqs),
+            seq_lens=buf.seq_lens.copy_to_gpu(nr)[:num_reqs],
             seq_lens_cpu=buf.seq_lens.cpu[:num_reqs],
             num_computed_tokens_cpu=buf.num_computed.cpu[:num_reqs],
             block_table=self._copy_block_table(num_reqs, max_blocks),
-            slot_mapping=buf.slot_mapping.copy_to_gpu(t),
-            request_rows=buf.request_rows.copy_to_gpu(num_reqs),
+            slot_mapping=buf.slot_mapping.copy_to_gpu(nt)[:t],
+            request_rows=buf.request_rows.copy_to_gpu(nr)[:num_reqs],
             num_reqs=num_reqs,
             num_tokens=t,
-            max_query_len=int(num_new.max()),
+            max_query_len=max_query_len,
             max_seq_len=int(buf.seq_lens.np[:num_reqs].max()),
             block_size=bs,
         )
-        buf.input_ids.copy_to_gpu(t)
-        buf.positions.copy_to_gpu(t)
-        return common, sample_rows
+        input_ids = buf.input_ids.copy_to_gpu(nt)
+        buf.positions.copy_to_gpu(nt)
+        logits_indices = None
+        if len(logits_idx) < t:
+            logits_indices = buf.logits_indices.copy_to_gpu(len(logits_idx))
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        if len(holes):
+            dst = to_device(holes, torch.int64, self.device)
+            input_ids.index_copy_(0, dst, last_ids.index_select(0, to_device(src, torch.int64, self.device)))
+        return common, sample_rows, graph_key, logits_indices
 
-    def _sample_or_verify(
+    def _verify(
         self,
         scheduled: list[ScheduledRequest],
         sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
         logits: torch.Tensor,  # [num_sample_rows, vocab]
-        greedy_ids: torch.Tensor | None = None,  # [num_sample_rows] int64: logits.argmax(-1), from the graph
-    ) -> tuple[list[list[int]], list[list[dict[int, Logprob]]] | None, list[int]]:
-        """Tokens emitted per request (and their logprobs), and how many drafts each rejected.
-
-        greedy_ids stand in for the sampler where it would return exactly them (`batch.argmax_only`)."""
+    ) -> tuple[list[list[int]], None, list[int]]:
+        """Rejection-sample the drafts of every request that emits this step (vLLM's [B, k+1] rule): the
+        tokens each request emits, and how many drafts each rejected."""
         rows = [
             SamplingRow(scheduled[i].request, None if j == 0 else
                         scheduled[i].request.output_token_ids + scheduled[i].spec_token_ids[:j])
             for i, j in sample_rows
         ]
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        emitted: list[list[int]] = [[] for _ in scheduled]
-        num_rejected = [0] * len(scheduled)
-        if not any(s.spec_token_ids for s in scheduled):
-            if greedy_ids is not None and batch.argmax_only:
-                out = SamplerOutput(greedy_ids)  # what the sampler returns here, computed in the graph
-            else:
-                out = self.sampler(logits, batch)
-            for (i, _), token in zip(sample_rows, out.token_ids.tolist(), strict=True):
-                emitted[i] = [token]
-            logprobs = None
-            if out.logprobs is not None:
-                logprobs = [[] for _ in scheduled]
-                for (i, _), lp in zip(sample_rows, out.logprob_dicts(batch), strict=True):
-                    logprobs[i] = [lp] if lp is not None else []
-            return emitted, logprobs, num_rejected
-        return self._verify(scheduled, sample_rows, logits, batch)
-
-    def _verify(self, scheduled, sample_rows, logits, batch):
-        """Rejection-sample the drafts of every request that emits this step (vLLM's [B, k+1] rule)."""
         rejection_sample = load_rejection_sampler()
         reqs = sorted({i for i, _ in sample_rows})
         drafts = [scheduled[i].spec_token_ids for i in reqs]

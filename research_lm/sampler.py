@@ -16,6 +16,8 @@ Order of processing (vLLM V1's `Sampler.forward`):
 
 Every random draw comes from `rng.exponential_rows(seed, position, stream)`, so a row's token
 depends only on its own logits, params, seed and position: never on the batch around it.
+On CUDA the race runs as one Triton kernel that hashes the same noise in registers
+(`research_lm.ops.exponential_race`), giving the same tokens.
 
 Host cost: `SamplingBatch.build` is one pass of Python over the rows plus at most two pinned,
 non-blocking copies (floats, ints); nothing in this module synchronises with the device.
@@ -31,7 +33,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from research_lm import rng
+from research_lm import ops, rng
 from research_lm.request import Logprob, Request
 from research_lm.sampling_params import _GREEDY_EPS
 
@@ -421,7 +423,15 @@ def random_sample(
 
     q comes from (seed, position, stream) alone, so each row's draw is batch-independent.
     q >= 1e-16 (`rng.exponential_rows`), so p / q is finite and masked tokens (p = 0) stay at 0.
+    On CUDA one Triton kernel (`research_lm.ops.exponential_race`) hashes the noise in registers and races
+    in place, with the same tokens; elsewhere (and under torch.compile) this torch code is the reference.
     """
+    if (probs.device.type in ops.FUSED_DEVICE_TYPES and probs.dtype == torch.float32 and probs.dim() == 2
+            and probs.shape[-1] > 0 and not torch.compiler.is_compiling()):
+        from research_lm.ops.exponential_race import exponential_race
+
+        keys = rng.to_device(rng.row_keys(seeds, positions, stream), torch.int64, probs.device)  # [N]
+        return exponential_race(probs if probs.stride(-1) == 1 else probs.contiguous(), keys)
     q = rng.exponential_rows(seeds, positions, stream, probs.shape[-1], probs.device)  # [N, V]
     return torch.div(probs, q, out=q).argmax(dim=-1)
 

@@ -13,6 +13,15 @@ Invariants (asserted by tests/test_scheduler.py):
 - `finished_req_ids` / `preempted_req_ids` name every request whose runner row must go since the
   previous step (a runner ignores ids it does not hold, e.g. a request aborted while waiting).
 
+Async scheduling (`LLMEngine` with `async_scheduling`): the engine schedules and launches step N + 1 before
+it collects step N. `assume_launched(N)` advances N's requests as if each sampling one emitted one token:
+`num_computed_tokens` moves on and a PLACEHOLDER output token stands for the token still on the device
+(the runner feeds it to step N + 1 from the device). `update_from_output(N)` then writes the real token over
+the placeholder and checks stops; a request that stopped had step N + 1 compute one token for nothing,
+which is dropped. Only known tokens are hashed for prefix caching. Scheduling ahead never preempts:
+`can_schedule_ahead` holds only when the free blocks cover every running request's next step and no
+running request needs its tokens' values on the host (penalties); otherwise the engine collects first.
+
 Runner contract: a scheduled request computes positions [num_computed_tokens, num_computed_tokens +
 num_new_tokens) of `all_token_ids + spec_token_ids`, reading `request.num_computed_tokens` before
 `update_from_output`; it emits tokens only when that range reaches the last known token.
@@ -26,7 +35,7 @@ from dataclasses import dataclass
 
 from research_lm.kv_cache import KVCacheManager
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from research_lm.request import Logprob, Request, RequestStatus
+from research_lm.request import PLACEHOLDER, Logprob, Request, RequestStatus
 
 
 @dataclass
@@ -149,6 +158,9 @@ class Scheduler:
             if self.sliding_window is not None:
                 self.kv_cache.free_blocks_outside_window(request, self.sliding_window)
             num_new, drafts = self._num_new_tokens_running(request, budget)
+            if num_new == 0:  # async: its in-flight token is its last (max_tokens / max_model_len)
+                i += 1
+                continue
             block_ids = self._allocate_or_preempt(request, num_new, out)
             if block_ids is None:  # the request itself was the newest: it was preempted
                 break
@@ -167,6 +179,8 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens)
+        if room <= 0 and request.num_output_placeholders:
+            return 0, []
         drafts = request.spec_token_ids[: max(0, room - 1)]
         num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
         num_drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
@@ -223,6 +237,33 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
 
+    # ---- async scheduling --------------------------------------------------------------------
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the running step's tokens are known: no running
+        request samples with penalties (they read its output tokens) and the free blocks cover every
+        running request's next step, so scheduling cannot preempt."""
+        bs, need = self.kv_cache.block_size, 0
+        for r in self.running:
+            sp = r.sampling_params
+            if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
+                return False
+            n = min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
+            slots = r.num_computed_tokens + n + self.num_lookahead_tokens
+            need += max(0, -(-slots // bs) - self.kv_cache.num_blocks_of(r.request_id))
+        return need <= self.kv_cache.num_free_blocks
+
+    def assume_launched(self, scheduler_output: SchedulerOutput) -> None:
+        """Advance the requests of a launched step before its tokens are known: the scheduled tokens count
+        as computed, and a request whose chunk reaches its last token gets a PLACEHOLDER output token."""
+        scheduler_output.assumed = True
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            assert not sched.spec_token_ids, "async scheduling does not verify drafts"
+            request.num_computed_tokens += sched.num_new_tokens
+            if request.num_computed_tokens >= request.num_tokens:
+                request.output_token_ids.append(PLACEHOLDER)
+                request.num_output_placeholders += 1
+
     # ---- update ------------------------------------------------------------------------------
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
@@ -232,15 +273,19 @@ class Scheduler:
         finished = []
         for sched in scheduler_output.scheduled:
             request = sched.request
-            if request.status != RequestStatus.RUNNING:  # aborted while the step ran
-                continue
             i = row[request.request_id]
+            if request.status != RequestStatus.RUNNING:  # finished or aborted while the step ran
+                runner_output.sampled_token_ids[i] = []  # computed for nothing: not an output token
+                continue
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
-            self._advance(request, sched, runner_output.sampled_token_ids[i], logprobs)
+            if scheduler_output.assumed:
+                self._resolve(request, runner_output.sampled_token_ids[i], logprobs)
+            else:
+                self._advance(request, sched, runner_output.sampled_token_ids[i], logprobs)
             if request.finish_reason is not None:
                 finished.append(request)
                 continue
-            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            self.kv_cache.cache_blocks(request, min(request.num_computed_tokens, request.num_known_tokens))
             request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
         if finished:
             done = {id(r) for r in finished}
@@ -272,31 +317,55 @@ class Scheduler:
                 request.output_logprobs.append(logprobs[j])
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
-            reason = self._check_stop(request, token)
+            reason = self._check_stop(request, token, request.num_output_tokens)
             if reason is not None:
                 request.finish_reason = reason
                 break
         # After a stop inside accepted drafts, computed KV past the last kept token is moot.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
 
-    def _check_stop(self, request: Request, token: int) -> str | None:
+    def _resolve(self, request: Request, sampled: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
+        """Async scheduling: write a collected token over the request's oldest placeholder and check
+        stops; a stop drops the later placeholders (their step computed for nothing)."""
+        if not sampled:  # a prompt chunk that did not reach the end
+            return
+        (token,) = sampled
+        j = request.num_output_tokens - request.num_output_placeholders  # the oldest placeholder
+        request.output_token_ids[j] = token
+        request.num_output_placeholders -= 1
+        if logprobs:
+            request.output_logprobs.append(logprobs[0])
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        reason = self._check_stop(request, token, j + 1)
+        if reason is not None:
+            request.finish_reason = reason
+            del request.output_token_ids[j + 1 :]
+            request.num_output_placeholders = 0
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+
+    def _check_stop(self, request: Request, token: int, num_output: int) -> str | None:
+        """Whether `token`, the request's output number `num_output`, stops it."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
                 return "stop"
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return "stop"
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return "length"
-        if request.num_tokens >= self.max_model_len:
+        if request.num_prompt_tokens + num_output >= self.max_model_len:
             return "length"
         return None
 
     def _finish(self, request: Request, reason: str) -> None:
         """Release a request already removed from `waiting` / `running`."""
+        if request.num_output_placeholders:  # aborted with tokens in flight: they will never be outputs
+            del request.output_token_ids[-request.num_output_placeholders :]
+            request.num_output_placeholders = 0
         if request.status == RequestStatus.RUNNING:
-            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            self.kv_cache.cache_blocks(request, min(request.num_computed_tokens, request.num_known_tokens))
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

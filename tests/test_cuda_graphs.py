@@ -206,9 +206,9 @@ def _generate_with_graphs(llm: LLM, prompts, params) -> _Run:
     addresses: list[dict[str, int]] = []
     sampled = 0
 
-    def recording_run(common):
-        step = DecodeGraphs.run(graphs, common)
-        seen = buffer_addresses(runner.buffers, common)
+    def recording_replay(key, num_tokens):
+        step = DecodeGraphs.replay(graphs, key, num_tokens)
+        seen = buffer_addresses(runner.buffers)
         if step.logits is not None:
             seen |= {"logits": step.logits.data_ptr(), "greedy_ids": step.greedy_ids.data_ptr()}
         addresses.append(seen)
@@ -219,11 +219,11 @@ def _generate_with_graphs(llm: LLM, prompts, params) -> _Run:
         sampled += 1
         return sampler(logits, batch)
 
-    graphs.run, runner.sampler = recording_run, counting_sampler
+    graphs.replay, runner.sampler = recording_replay, counting_sampler
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del graphs.run
+        del graphs.replay
         runner.sampler = sampler
     return _Run([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], addresses, sampled)
 
@@ -341,15 +341,15 @@ def _verify_graph_run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[
     """Tokens, and the (batch size, query length) of every replay."""
     graphs, keys = llm.engine.runner.cuda_graphs, []
 
-    def recording_run(common):
-        keys.append(graphs.padded_size(common))
-        return DecodeGraphs.run(graphs, common)
+    def recording_replay(key, num_tokens):
+        keys.append(key)
+        return DecodeGraphs.replay(graphs, key, num_tokens)
 
-    graphs.run = recording_run
+    graphs.replay = recording_replay
     try:
         return _eager_tokens(llm, prompts, params), keys
     finally:
-        del graphs.run
+        del graphs.replay
 
 
 @cpu_only

@@ -318,7 +318,8 @@ def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, ou
               sweep_root: Path, gpus: int = 1) -> Path:
     """The Hydra multirun with +repeat=0..N-1 (one per part), its report aggregated over the repeats, the table.
 
-    gpus > 1: up to that many parts run at once, part i on GPU i mod gpus (CUDA_VISIBLE_DEVICES), each
+    gpus > 1: up to that many parts run at once, part i on GPU i mod gpus (of those CUDA_VISIBLE_DEVICES lists
+    when it is set, so two tables can share a host: CUDA_VISIBLE_DEVICES=2,3 ... --gpus 2), each
     with its log in <part dir>.log. Every job compares against its own baseline in its own process, so
     speedups stay like for like; the host is shared, so give each part its own cores' worth of work."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -330,6 +331,8 @@ def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, ou
         if subprocess.run(list(table.prepare[1]), env=env).returncode != 0:
             raise PaperError(f"{name}: preparing {table.prepare[0]} failed (see above)")
     commands, running, failed = [], [], []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu_ids = visible.split(",") if visible else [str(j) for j in range(gpus)]
     for i, part in enumerate(table.parts or ((),)):
         part_dir = sweep_dir / f"part{i}" if table.parts else sweep_dir
         cmd = [sys.executable, "-m", "research_lm", "-m", *merge_overrides(tuple(overrides), part),
@@ -345,7 +348,7 @@ def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, ou
             failed += _wait(running.pop(0))
         part_dir.mkdir(parents=True, exist_ok=True)
         log = open(f"{part_dir}.log", "w")  # noqa: SIM115 (closed by _wait)
-        env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+        env["CUDA_VISIBLE_DEVICES"] = gpu_ids[i % gpus]
         running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, part_dir))
     for proc in running:
         failed += _wait(proc)

@@ -10,6 +10,11 @@ The switch: modules that can fuse (`RMSNorm`, `RotaryEmbedding`, `GatedMLP` in m
 `fused_ops = True` and take the fused path only for CUDA tensors and outside torch.compile (`use_fused`).
 `set_fused_ops(model, False)` puts a model back on the torch path; the engine applies
 `EngineConfig.fused_ops` (Hydra `runner.fused_ops`) to the target model and the drafter.
+
+`exponential_race` is the sampler's: argmax(probs / q) with q the `rng.exponential_rows` noise hashed in
+registers instead of ~20 int64 kernels over [N, V] (~2 ms per step at 256 x 128k on an H200). Its reference is
+`sampler.random_sample`'s torch path, whose tokens it reproduces bit for bit; `random_sample` (hence the
+rejection sampler and the drafters) takes it for tensors on `FUSED_DEVICE_TYPES`, outside torch.compile.
 """
 
 from __future__ import annotations
