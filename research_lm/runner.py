@@ -361,7 +361,7 @@ class ModelRunner:
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         if len(holes):
-            dst = to_device(holes, torch.int64, self.device)
+            dst = to_device(torch.from_numpy(holes), torch.int64, self.device)
             input_ids.index_copy_(0, dst, last_ids.index_select(0, to_device(src, torch.int64, self.device)))
         return common, sample_rows, graph_key, logits_indices
 
