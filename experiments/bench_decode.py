@@ -431,9 +431,10 @@ def render(payload: dict[str, Any]) -> str:
     lines = []
     stages = [r for r in rows if "stages_ms" in r]
     if stages:
-        names = list(stages[0]["stages_ms"])
+        names = list(dict.fromkeys(n for r in stages for n in r["stages_ms"]))  # every variant's, in order
         lines += ["Stages of a research_lm decode step, ms (a device sync closes each stage, so each carries its "
-                  "GPU work; the step total is therefore a little above the unsynchronized median):", "",
+                  "GPU work; the step total is therefore a little above the unsynchronized median; with async "
+                  "scheduling the syncs also undo the overlap, so its total is no measure of its step):", "",
                   "| stage | " + " | ".join(label(r) for r in stages) + " |",
                   "| --- |" + " ---: |" * len(stages)]  # fmt: skip
         for n in names:
@@ -474,7 +475,9 @@ def render(payload: dict[str, Any]) -> str:
 
 
 def _stage(row: dict[str, Any], stage: str) -> str:
-    value = row["stages_ms"].get(stage, 0.0)
+    if stage not in row["stages_ms"]:
+        return "—"
+    value = row["stages_ms"][stage]
     return cell({"v": value, "spread": {"v": (row.get("spread") or {}).get(f"stages_ms.{stage}")}}, "v", ".3f")
 
 

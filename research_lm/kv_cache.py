@@ -253,6 +253,10 @@ class KVCacheManager:
         table, or None, changing nothing, when the free queue cannot supply it."""
         req_id = request.request_id
         blocks = self._req_blocks.get(req_id, [])
+        if blocks and not new_computed_blocks:  # the common decode step: often no new block at all
+            num_required = -(-(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens) // self.block_size)
+            if num_required <= len(blocks):
+                return list(blocks)
         assert not (blocks and new_computed_blocks), "prefix hits only apply to a request's first blocks"
         num_tokens = (
             request.num_computed_tokens

@@ -175,15 +175,20 @@ class Scheduler:
 
         Drafts are trimmed to those whose acceptance could still be kept: k drafts emit up to k + 1
         tokens, bounded by max_model_len and max_tokens."""
-        room = self.max_model_len - request.num_tokens
+        num_tokens, num_computed = request.num_tokens, request.num_computed_tokens
+        room = self.max_model_len - num_tokens
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens)
         if room <= 0 and request.num_output_placeholders:
             return 0, []
+        if not request.spec_token_ids:  # the common case: no drafts
+            num_new = min(num_tokens - num_computed, budget)
+            assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
+            return num_new, []
         drafts = request.spec_token_ids[: max(0, room - 1)]
-        num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
-        num_drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+        num_new = min(num_tokens + len(drafts) - num_computed, budget)
+        num_drafts = max(0, num_computed + num_new - num_tokens)
         assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
         return num_new, drafts[:num_drafts]
 
@@ -286,7 +291,8 @@ class Scheduler:
                 finished.append(request)
                 continue
             self.kv_cache.cache_blocks(request, min(request.num_computed_tokens, request.num_known_tokens))
-            request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
+            if runner_output.draft_token_ids:
+                request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
