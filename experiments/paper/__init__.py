@@ -145,11 +145,14 @@ TABLES: dict[str, Table] = {
                "report_tpot_ms_mean_vs_runner.max_num_seqs.png": "attention_ablation_h200_tpot.png"},
         title="attention_ablation on an H200: every backend on one model, end to end",
         about="Llama-3.2-1B shape with random bf16 weights (built once per recipe), synthetic prompts of 512 "
-              "tokens and 128 output tokens (ignore_eos), max_num_seqs = the batch, 4 / 2 x batch requests, eager "
-              "runner (CUDA graphs off for every backend: FlashInfer's path is not captured), 3 seeds per cell. The "
-              "eager runner is host-bound at this size (bench_decode: 8.7 ms/step eager vs 1.6 ms with graphs), so "
-              "the kernels' differences (bench_attention) show only from batch 64 on; torch_ref gathers pages in "
-              "Python (the oracle).",
+              "tokens and 128 output tokens (ignore_eos), max_num_seqs = the batch, 4 / 2 x batch requests, 3 seeds "
+              "per cell, the default runner: async scheduling for every backend, CUDA graphs where the backend "
+              "allows them, i.e. for triton only (torch_ref and FlashInfer declare no graph support and run "
+              "eagerly). So up to batch 64 the gap between triton and FlashInfer is mostly the runner's (graph "
+              "replay vs ~9 ms of eager launches per step, bench_decode), not the kernels': bench_attention "
+              "compares the kernels alone. torch_ref (the oracle: pages gathered in Python) runs at batch 1 and 16 "
+              "only. Batches 1 and 16 ran at commit becb7df, 64 and 256 at 742d912 (the only change between them: "
+              "this table's parts).",
     ),
     "mla_h200": Table(
         what="mla preset at GPU size: KV bytes per token and decode speed of DeepSeek-V2 MLA (latent cache) vs a "
