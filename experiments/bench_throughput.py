@@ -67,6 +67,16 @@ def roofline_s(in_lens: list[int], out_lens: list[int], *, params: int, weight_b
     return t
 
 
+def roofline_bytes(in_lens: list[int], out_lens: list[int], *, weight_bytes: int, kv_bytes_per_token: int) -> int:
+    """Bytes the roofline's schedule reads: the weights once for the prefill and once per decode step, plus the
+    KV cache of every active request at each step. Divided by a measured wall time: the effective GB/s."""
+    total = weight_bytes
+    for s in range(1, max(out_lens)):
+        active = [i for i, o in zip(in_lens, out_lens) if o > s]
+        total += weight_bytes + sum(i + s for i in active) * kv_bytes_per_token
+    return total
+
+
 def research_lm_rows(path: str, args, device: torch.device, temperatures: list[float]) -> list[dict[str, Any]]:
     from research_lm import LLM, SamplingParams
 
@@ -220,6 +230,8 @@ def measure(args) -> dict[str, Any]:
             rows.append({"system": "transformers", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
     return {
         "copy_tb_s": copy_bw / 1e12, "gemm_tflop_s": flops / 1e12, "params": params, "dtype": args.dtype,
+        "roofline_bytes": roofline_bytes(in_lens, out_lens, weight_bytes=params * esize,
+                                         kv_bytes_per_token=kv_per_token),
         "num_requests": args.num_requests, "hf_num_requests": args.hf_num_requests or args.num_requests,
         "workload_fingerprint": w.fingerprint(), "rows": rows, "tiny": args.tiny,
     }  # fmt: skip
@@ -240,13 +252,17 @@ def render(payload: dict[str, Any]) -> str:
         f"[100, 1024], seed 0, ignore_eos, all at t = 0 (fingerprint {payload['workload_fingerprint']}).{scaled} "
         f"{shape}, {payload['dtype']}. Ceilings measured in this run: copy {payload['copy_tb_s']:.2f} TB/s, GEMM "
         f"{payload['gemm_tflop_s']:.0f} TFLOP/s. Output tok/s = requested output tokens / wall time. "
+        f"GB/s = the bytes the roofline's schedule reads (weights once per decode step, the active requests' KV; "
+        f"{payload.get('roofline_bytes', 0) / 1e9:,.0f} GB) / wall time: an effective bandwidth, against the "
+        f"measured copy bandwidth. "
         f"{repeats_line(payload)}\n"
     )
-    lines = [head, "| system | output tok/s | total tok/s | wall s | vs transformers | % of roofline | note |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    lines = [head, "| system | output tok/s | total tok/s | GB/s | wall s | vs transformers | % of roofline | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    nbytes = payload.get("roofline_bytes")
     for r in rows:
         if "wall_s" not in r:
-            lines.append(f"| {r['system']} | — | — | — | — | — | {r.get('error', '')} |")
+            lines.append(f"| {r['system']} | — | — | — | — | — | — | {r.get('error', '')} |")
             continue
         out_n, all_n = r["output_tokens"], r["output_tokens"] + r["input_tokens"]
         tps = out_n / r["wall_s"]
@@ -257,7 +273,9 @@ def render(payload: dict[str, Any]) -> str:
         if r.get("errors"):
             note += f"; {len(r['errors'])} repeat(s) failed: {r['errors'][0]}"
         lines.append(f"| {r['system']} | {cell(r, 'wall_s', ',.0f', lambda s, n=out_n: n / s)} | "
-                     f"{cell(r, 'wall_s', ',.0f', lambda s, n=all_n: n / s)} | {cell(r, 'wall_s', '.2f')} | {vs} | "
+                     f"{cell(r, 'wall_s', ',.0f', lambda s, n=all_n: n / s)} | "
+                     f"{cell(r, 'wall_s', ',.0f', lambda s: nbytes / s / 1e9) if nbytes else '—'} | "
+                     f"{cell(r, 'wall_s', '.2f')} | {vs} | "
                      f"{tps / roof_tps:.0%} | {note} |")  # fmt: skip
     return "\n".join(lines)
 
