@@ -86,7 +86,15 @@ def test_async_matches_sync_under_preemption(tiny_checkpoint):
     a request whose token is still in flight."""
     path = tiny_checkpoint("llama")
     sync_llm, want = _run(path, _params(), asynchronous=False, num_gpu_blocks=22)
-    llm, got = _run(path, _params(), asynchronous=True, num_gpu_blocks=22)
+    llm = LLM(str(path), async_scheduling=True, **(KNOBS | dict(num_gpu_blocks=22)))
+    engine, preempt = llm.engine, llm.engine.scheduler._preempt
+
+    def checked_preempt(request, out):  # only from a synchronous schedule: no token of anyone in flight
+        assert not any(r.num_output_placeholders for r in engine.scheduler.running)
+        preempt(request, out)
+
+    engine.scheduler._preempt = checked_preempt
+    got = llm.generate(_prompts(engine.info.vocab_size), _params(), use_tqdm=False)
     _same(got, want)
     assert llm.engine.scheduler.num_preemptions > 0, "the KV budget should force preemption"
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.num_blocks - 1
