@@ -234,8 +234,14 @@ class ModelRunner:
 
         greedy_ids stand in for the sampler where it would return exactly them (`batch.argmax_only`)."""
         scheduled = sched.scheduled
-        batch = SamplingBatch.build([SamplingRow(scheduled[i].request) for i, _ in sample_rows],
-                                    self.vocab_size, self.device)
+        requests = [scheduled[i].request for i, _ in sample_rows]
+        in_flight = None  # rows whose last output is still on the device: penalties count it there
+        waiting = [row for row, r in enumerate(requests) if r.num_output_placeholders and r.sampling_params.penalized]
+        if waiting:
+            last_ids, last_row = self._last_sampled
+            src = to_device([last_row[requests[row].request_id] for row in waiting], torch.int64, self.device)
+            in_flight = (waiting, last_ids.index_select(0, src))
+        batch = SamplingBatch.build([SamplingRow(r) for r in requests], self.vocab_size, self.device, in_flight)
         if greedy_ids is not None and batch.argmax_only:
             sampled = SamplerOutput(greedy_ids)  # what the sampler returns here, computed in the graph
         else:

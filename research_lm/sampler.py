@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from research_lm import ops, rng
-from research_lm.request import Logprob, Request
+from research_lm.request import PLACEHOLDER, Logprob, Request
 from research_lm.sampling_params import _GREEDY_EPS
 
 __all__ = [
@@ -183,9 +183,16 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, rows: Sequence[RowLike], vocab_size: int, device: torch.device | str = "cpu"
+        cls,
+        rows: Sequence[RowLike],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        in_flight: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingBatch:
-        """rows: `Request` (its next token), `SamplingRow`, or `(request, outputs_before)`."""
+        """rows: `Request` (its next token), `SamplingRow`, or `(request, outputs_before)`.
+
+        in_flight (async scheduling): (row indices, [n] token ids on the device) of the rows whose outputs end in
+        a PLACEHOLDER, the token that stands for: penalties count it without the host knowing it."""
         device = torch.device(device)
         V = vocab_size
         rs = [_as_row(r) for r in rows]
@@ -241,16 +248,32 @@ class SamplingBatch:
 
         # Penalties: build only the state some row uses, and only from the rows that use it.
         output_counts = seen_mask = None
+        pending = dict(zip(in_flight[0], in_flight[1])) if in_flight is not None else {}  # row -> 0-d id tensor
+
+        def known(outputs: list[int]) -> list[int]:  # a placeholder's token is added on the device below
+            return [t for t in outputs if t != PLACEHOLDER] if pending else outputs
+
+        def flight_index(use: list[bool]) -> torch.Tensor | None:  # [n] row * V + in-flight token
+            rows_used = [i for i in pending if use[i]]
+            if not rows_used:
+                return None
+            ids = torch.stack([pending[i] for i in rows_used])
+            return rng.to_device(rows_used, torch.int64, device) * V + ids
+
         if any_count:
-            idx = _token_index([r.outputs if u else [] for r, u in zip(rs, use_count)], V, device)
+            idx = _token_index([known(r.outputs) if u else [] for r, u in zip(rs, use_count)], V, device)
+            if (extra := flight_index(use_count)) is not None:
+                idx = torch.cat([idx, extra])
             output_counts = torch.zeros(len(rs) * V, dtype=torch.float32, device=device)
             # Small integer sums are exact in float32, so the atomic add order does not matter.
             output_counts = output_counts.index_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))
             output_counts = output_counts.view(len(rs), V)
         if any_seen:
-            lists = [r.request.prompt_token_ids + r.outputs if u else [] for r, u in zip(rs, use_seen)]
+            lists = [r.request.prompt_token_ids + known(r.outputs) if u else [] for r, u in zip(rs, use_seen)]
             seen_mask = torch.zeros(len(rs) * V, dtype=torch.bool, device=device)
             seen_mask[_token_index(lists, V, device)] = True
+            if (extra := flight_index(use_seen)) is not None:
+                seen_mask[extra] = True
             seen_mask = seen_mask.view(len(rs), V)
 
         return cls(

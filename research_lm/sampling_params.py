@@ -55,3 +55,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies (it reads the output tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -18,9 +18,9 @@ it collects step N. `assume_launched(N)` advances N's requests as if each sampli
 `num_computed_tokens` moves on and a PLACEHOLDER output token stands for the token still on the device
 (the runner feeds it to step N + 1 from the device). `update_from_output(N)` then writes the real token over
 the placeholder and checks stops; a request that stopped had step N + 1 compute one token for nothing,
-which is dropped. Only known tokens are hashed for prefix caching. Scheduling ahead never preempts:
-`can_schedule_ahead` holds only when the free blocks cover every running request's next step and no
-running request needs its tokens' values on the host (penalties); otherwise the engine collects first.
+which is dropped. Only known tokens are hashed for prefix caching (penalties count an in-flight token on the device, see
+`SamplingBatch.build`). Scheduling ahead never preempts: `can_schedule_ahead` holds only when the free blocks
+cover every running request's next step; otherwise the engine collects first.
 
 Runner contract: a scheduled request computes positions [num_computed_tokens, num_computed_tokens +
 num_new_tokens) of `all_token_ids + spec_token_ids`, reading `request.num_computed_tokens` before
@@ -244,14 +244,10 @@ class Scheduler:
 
     # ---- async scheduling --------------------------------------------------------------------
     def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the running step's tokens are known: no running
-        request samples with penalties (they read its output tokens) and the free blocks cover every
-        running request's next step, so scheduling cannot preempt."""
+        """Whether the next step may be scheduled before the running step's tokens are known: the free blocks
+        cover every running request's next step, so scheduling cannot preempt."""
         bs, need = self.kv_cache.block_size, 0
         for r in self.running:
-            sp = r.sampling_params
-            if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
-                return False
             n = min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
             slots = r.num_computed_tokens + n + self.num_lookahead_tokens
             need += max(0, -(-slots // bs) - self.kv_cache.num_blocks_of(r.request_id))

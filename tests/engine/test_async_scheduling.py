@@ -26,7 +26,7 @@ def _prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
 
 
 def _params(eos_stop: int | None = None, **kw) -> list[SamplingParams]:
-    """A mix: greedy and seeded random rows, different max_tokens, logprobs, a stop token, min_tokens."""
+    """A mix: greedy and seeded random rows, different max_tokens, logprobs, a stop token, min_tokens, penalties."""
     base = [
         dict(temperature=0.0, max_tokens=12, ignore_eos=True),
         dict(temperature=1.0, seed=7, max_tokens=9, ignore_eos=True, logprobs=2),
@@ -36,6 +36,7 @@ def _params(eos_stop: int | None = None, **kw) -> list[SamplingParams]:
         dict(temperature=0.0, max_tokens=20, stop_token_ids=[] if eos_stop is None else [eos_stop]),
         dict(temperature=0.5, seed=3, max_tokens=2, ignore_eos=True),
         dict(temperature=0.0, max_tokens=5, ignore_eos=True),
+        dict(temperature=0.7, seed=11, max_tokens=10, ignore_eos=True, repetition_penalty=1.2, presence_penalty=0.3),
     ]
     return [SamplingParams(**(b | kw)) for b in base]
 
@@ -94,18 +95,25 @@ def test_async_matches_sync_under_preemption(tiny_checkpoint):
         preempt(request, out)
 
     engine.scheduler._preempt = checked_preempt
-    got = llm.generate(_prompts(engine.info.vocab_size), _params(), use_tqdm=False)
+    got = llm.generate(_prompts(engine.info.vocab_size, 9), _params(), use_tqdm=False)
     _same(got, want)
     assert llm.engine.scheduler.num_preemptions > 0, "the KV budget should force preemption"
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.num_blocks - 1
 
 
-def test_penalties_fall_back_to_synchronous_steps(tiny_checkpoint):
+@pytest.mark.parametrize("penalty", [dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=0.4)])
+def test_penalties_count_the_token_in_flight(tiny_checkpoint, penalty):
+    """Penalties read the outputs, whose last token is still on the device when the next step is launched:
+    the sampling batch counts it there. Same tokens as the synchronous engine, and the steps still run ahead."""
     path = tiny_checkpoint("llama")
-    params = _params(repetition_penalty=1.3, frequency_penalty=0.5)
+    params = [p if i % 2 else SamplingParams(**(vars(p) | penalty)) for i, p in enumerate(_params())]
     _, want = _run(path, params, asynchronous=False)
-    llm, got = _run(path, params, asynchronous=True)
+    llm = LLM(str(path), async_scheduling=True, **KNOBS)
+    collect, ahead = llm.engine.runner.collect, []
+    llm.engine.runner.collect = lambda pending: ahead.append(llm.engine._in_flight is not None) or collect(pending)
+    got = llm.generate(_prompts(llm.engine.info.vocab_size, len(params)), params, use_tqdm=False)
     _same(got, want)
+    assert sum(ahead) > len(ahead) // 2, "most steps should have the next one launched before they are collected"
 
 
 def test_the_next_step_is_launched_before_the_last_is_collected(tiny_checkpoint):
