@@ -21,12 +21,12 @@ forward, logits, argmax -> drafts[:, j], ids; positions += 1. Padded rows (n .. 
 as in `research_lm.cuda_graphs`. Rows past their limit still compute (their drafts are dropped on the
 host), at position 0 so no rotary table is read out of range.
 
-Used only when every drafting request is greedy with nothing that changes the argmax (`argmax_only`: no
-penalties, min_tokens ban or logprobs) and the batch fits the largest size; otherwise `Drafting.chain`
-runs its eager steps. Not captured at all for a drafter with a layer that syncs with the host in forward
-(`research_lm.cuda_graphs.uncapturable_reason`: the runner checks only the target). The attention launch
-plan is fixed at capture with max_seq_len = max_model_len + num_lookahead_tokens, the longest any draft
-row reaches.
+Used only when every drafting request is greedy with nothing that changes the argmax (no penalties or
+min_tokens ban; logprobs do not matter, drafts never return them) and the batch fits the largest size;
+otherwise `Drafting.chain` runs its eager steps. Not captured at all for a drafter with a layer that syncs
+with the host in forward (`research_lm.cuda_graphs.uncapturable_reason`: the runner checks only the
+target). The attention launch plan is fixed at capture with max_seq_len = max_model_len +
+num_lookahead_tokens, the longest any draft row reaches.
 """
 
 from __future__ import annotations

@@ -224,9 +224,11 @@ class Drafting:
 
     def _argmax_only(self, vocab_size: int) -> bool:
         """Would every next draft be the raw argmax (greedy, no penalty or min_tokens ban, no q kept)? A ban
-        only shrinks as the position grows, so what holds at draft 2 holds for the rest of the chain."""
+        only shrinks as the position grows, so what holds at draft 2 holds for the rest of the chain. Logprobs
+        do not matter: drafts never return them (`pick_tokens` ignores them too)."""
         rows = [SamplingRow(r, o + t) for r, o, t in zip(self.requests, self.outputs, self.tokens, strict=True)]
-        return not self.need_probs and SamplingBatch.build(rows, vocab_size).argmax_only
+        batch = SamplingBatch.build(rows, vocab_size)
+        return not self.need_probs and batch.all_greedy and batch.no_penalties and batch.banned_rows is None
 
     def proposal(self, all_requests: Sequence[Request]) -> Proposal:
         token_ids = {r.request_id: [] for r in all_requests}

@@ -106,6 +106,18 @@ def test_sampled_drafting_keeps_the_eager_chain(tiny_checkpoint, tmp_path):
     assert max(replays) == 1  # only once request 1 (sampling) has finished
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+def test_greedy_requests_asking_for_logprobs_still_draft_from_the_graph(tiny_checkpoint, tmp_path):
+    """Logprobs are the target's, of the emitted tokens; drafts never carry them, so the graph serves the step."""
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), "cpu", eager_capture)
+    params = [SamplingParams(**(vars(p) | dict(logprobs=2))) for p in _greedy()]
+    want, want_proposals, _ = _run(eager, _prompts(), params)
+    got, proposals, replays = _run(llm, _prompts(), params)
+    assert (got, proposals) == (want, want_proposals)
+    assert 3 in replays
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
 def test_graph_chain_matches_eager_on_cuda(kind, tiny_checkpoint, tmp_path):
