@@ -195,7 +195,7 @@ class ModelRunner:
             return self._launch_sampling(sched, sample_rows, logits, greedy_ids)
 
         if any(s.spec_token_ids for s in scheduled):
-            emitted, logprobs, num_rejected = self._verify(scheduled, sample_rows, logits)
+            emitted, logprobs, num_rejected = self._verify(scheduled, sample_rows, logits, greedy_ids)
         else:
             pending = self._launch_sampling(sched, sample_rows, logits, greedy_ids)
             output = self.collect(pending)
@@ -376,6 +376,7 @@ class ModelRunner:
         scheduled: list[ScheduledRequest],
         sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
         logits: torch.Tensor,  # [num_sample_rows, vocab]
+        greedy_ids: torch.Tensor | None = None,  # [num_sample_rows] logits.argmax(-1), when the graph computed it
     ) -> tuple[list[list[int]], None, list[int]]:
         """Rejection-sample the drafts of every request that emits this step (vLLM's [B, k+1] rule): the
         tokens each request emits, and how many drafts each rejected."""
@@ -385,10 +386,23 @@ class ModelRunner:
             for i, j in sample_rows
         ]
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        rejection_sample = load_rejection_sampler()
         reqs = sorted({i for i, _ in sample_rows})
         drafts = [scheduled[i].spec_token_ids for i in reqs]
         q = [self.draft_probs.pop(scheduled[i].request.request_id, None) for i in reqs]
+        emitted: list[list[int]] = [[] for _ in scheduled]
+        num_rejected = [0] * len(scheduled)
+        if batch.all_greedy and batch.no_penalties and batch.banned_rows is None:
+            # The greedy rule on raw logits needs each row's argmax only (the graph's, when it has it): accept
+            # drafts while they equal it, then emit it; no probabilities, no batched sampler.
+            target = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)).tolist()
+            row = 0
+            for i, d in zip(reqs, drafts, strict=True):
+                n = next((j for j, t in enumerate(d) if t != target[row + j]), len(d))  # drafts accepted
+                emitted[i] = d[:n] + [target[row + n]]
+                num_rejected[i] = len(d) - n
+                row += len(d) + 1
+            return emitted, None, num_rejected
+        rejection_sample = load_rejection_sampler()
         draft_probs = None
         if any(x is not None for x in q) and all(x is not None for x, d in zip(q, drafts) if d):
             draft_probs = torch.cat([x[: len(d)] for x, d in zip(q, drafts) if d])
@@ -398,8 +412,6 @@ class ModelRunner:
             [scheduled[i].request.seed for i in reqs],
             [scheduled[i].request.num_output_tokens for i in reqs],
         ).tolist()
-        emitted: list[list[int]] = [[] for _ in scheduled]
-        num_rejected = [0] * len(scheduled)
         for i, row in zip(reqs, tokens, strict=True):
             emitted[i] = [t for t in row if t != -1]
             num_rejected[i] = len(scheduled[i].spec_token_ids) + 1 - len(emitted[i])

@@ -35,3 +35,29 @@ def test_ngram_greedy_identical_under_pressure(tiny_checkpoint):
     assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)  # some accepted, some rejected
     assert spec.engine.scheduler.num_preemptions > 0
     assert spec.engine.kv_cache.num_free_blocks == spec.engine.num_blocks - 1
+
+
+def test_greedy_verification_skips_the_rejection_sampler_and_agrees_with_it(tiny_checkpoint, monkeypatch):
+    """An all-greedy verify step takes the argmax rule directly; a batch with a sampling or penalised request
+    goes through the rejection sampler. The greedy requests' tokens are the same either way."""
+    import research_lm.runner as runner_module
+
+    path = str(tiny_checkpoint("llama"))
+    knobs = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
+                 max_model_len=64)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)
+    llm = LLM(path, speculative_config=spec, **knobs)
+    prompts = _repetitive_prompts(llm.engine.info.vocab_size)
+    want = [o.outputs[0].token_ids for o in LLM(path, **knobs).generate(prompts, greedy, use_tqdm=False)]
+
+    calls = []
+    real = runner_module.load_rejection_sampler
+    monkeypatch.setattr(runner_module, "load_rejection_sampler", lambda: calls.append(1) or real())
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0 and not calls  # verified, never rejection-sampled
+    mixed = llm.generate(prompts, [greedy, sampled] * 3, use_tqdm=False)
+    assert calls, "a batch with a sampling request needs the rejection sampler"
+    assert [o.outputs[0].token_ids for o in mixed][::2] == want[::2]
