@@ -8,8 +8,8 @@ step while this one runs (async scheduling). Tokens the next step needs before t
 Speculative steps run whole inside `launch` (drafting needs the emitted tokens).
 A decode or verify step covered by a CUDA graph replays forward, logits and their argmax in one graph;
 an all-greedy decode batch without penalties, min_tokens or logprobs then takes the graph's argmax as its
-tokens (one replay, one device -> host copy of the ids), any other batch samples (or rejection-samples)
-from the graph's logits.
+tokens (one replay, one device -> host copy of the ids), and an all-greedy verify step checks its drafts
+against that argmax; any other batch samples (or rejection-samples) from the graph's logits.
 Each stage lives in a sibling module and enters here in one line; keep it that way.
 """
 
