@@ -39,3 +39,23 @@ class StepBuffers:
         self.request_rows = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
         self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
 
+
+
+class HostIds:
+    """Sampled token ids on their way to pinned host memory, without waiting for them: two buffers (and
+    events) alternate, since `collect` reads one step's ids while the next step's are being copied."""
+
+    def __init__(self, max_num_tokens: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.buffers = [torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
+        self.next = 0
+
+    def start_copy(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Enqueue ids [n] -> host; the host view, and the event that fires when it holds them (CPU: None)."""
+        host, event = self.buffers[self.next][: len(ids)], self.events[self.next]
+        self.next ^= 1
+        host.copy_(ids, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        return host, event

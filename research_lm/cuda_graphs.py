@@ -174,7 +174,7 @@ def _head(out: Outputs, n: int) -> Outputs:
 
 
 class DecodeGraphs:
-    """Captured steps keyed by (padded batch size, query length); `covers` says whether a step can replay one.
+    """Captured steps keyed by (padded batch size, query length); `key_for` says which one a step replays, if any.
 
     query_lens: 1 (decode) and, for spec decoding, k + 1 (verification). compute_logits ([n, hidden] ->
     [n, vocab] fp32) and vocab_size, both or neither: with them the graphs also fill `logits` and
@@ -265,9 +265,6 @@ class DecodeGraphs:
 
     def padded_size(self, common: CommonAttentionMetadata) -> tuple[int, int] | None:
         return self.key_for(common.num_reqs, common.max_query_len)
-
-    def covers(self, common: CommonAttentionMetadata) -> bool:
-        return self.padded_size(common) is not None
 
     def run(self, common: CommonAttentionMetadata) -> GraphStep:
         """Pad the step buffers (rows < num_reqs and tokens < num_tokens hold this step's inputs) and

@@ -207,10 +207,12 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the hashes of the request's blocks that are full of computed real tokens.
 
-        `num_computed_tokens` must not exceed `request.num_tokens` (drafts are never cached)."""
+        `num_computed_tokens` must not exceed `request.num_tokens` (drafts are never cached); tokens past the
+        known ones (async scheduling's placeholders) wait until their ids are known."""
         if not self.enable_prefix_caching:
             return
-        assert num_computed_tokens <= request.num_known_tokens, "only known (non-draft) tokens can be cached"
+        assert num_computed_tokens <= request.num_tokens, "only real (non-draft) tokens can be cached"
+        num_computed_tokens = min(num_computed_tokens, request.num_known_tokens)
         blocks = self._req_blocks[request.request_id]
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)

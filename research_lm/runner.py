@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
-from research_lm.buffers import StepBuffers
+from research_lm.buffers import HostIds, StepBuffers
 from research_lm.compilation import compile_forward
 from research_lm.cuda_graphs import (
     DecodeGraphs,
@@ -106,14 +106,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] q of pending drafts
         # The last launched step's sampled ids on the device and the row of each request in them: the
-        # source of the next step's PLACEHOLDER inputs. Two host buffers alternate, since a step's ids
-        # are read by `collect` while the next step's are being copied.
+        # source of the next step's PLACEHOLDER inputs (and of the penalties' view of them).
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
-        pin = device.type == "cuda"
-        self._host_ids = [torch.zeros(max_num_batched_tokens, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._num_launched = 0
+        self._host_ids = HostIds(max_num_batched_tokens, device)
         # Fires when a step's inputs have left the pinned host buffers, which the next step overwrites.
-        self._inputs_copied = torch.cuda.Event() if pin else None
+        self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         if proposer is not None and proposer.aux_hidden_state_layers:
             model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
 
@@ -191,26 +188,19 @@ class ModelRunner:
         else:  # [num_sample_rows, vocab]
             logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         scheduled = sched.scheduled
-        if not any(s.spec_token_ids for s in scheduled) and self.proposer is None:
-            return self._launch_sampling(sched, sample_rows, logits, greedy_ids)
-
-        if any(s.spec_token_ids for s in scheduled):
-            emitted, logprobs, num_rejected = self._verify(scheduled, sample_rows, logits, greedy_ids)
-        else:
+        if not any(s.spec_token_ids for s in scheduled):
             pending = self._launch_sampling(sched, sample_rows, logits, greedy_ids)
-            output = self.collect(pending)
-            emitted, logprobs, num_rejected = output.sampled_token_ids, output.logprobs, [0] * len(scheduled)
-        output = RunnerOutput(
-            req_ids=[s.request.request_id for s in scheduled],
-            sampled_token_ids=emitted,
-            logprobs=logprobs,
-            num_draft_tokens=[len(s.spec_token_ids) for s in scheduled],
-        )
+            if self.proposer is None:
+                return pending
+            output, num_rejected = self.collect(pending), [0] * len(scheduled)
+        else:
+            emitted, num_rejected = self._verify(scheduled, sample_rows, logits, greedy_ids)
+            output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
+                                  num_draft_tokens=[len(s.spec_token_ids) for s in scheduled])
+            output.verify_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
-        if any(s.spec_token_ids for s in scheduled):
-            output.verify_ms = (t1 - t0) * 1e3
         outcome = StepOutcome(
-            requests=[s.request for s in scheduled], emitted=emitted, input_ids=input_ids,
+            requests=[s.request for s in scheduled], emitted=output.sampled_token_ids, input_ids=input_ids,
             positions=positions, query_start_loc_cpu=common.query_start_loc_cpu,
             hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected, common=common,
             attn_metadata=attn_metadata,
@@ -238,9 +228,7 @@ class ModelRunner:
         in_flight = None  # rows whose last output is still on the device: penalties count it there
         waiting = [row for row, r in enumerate(requests) if r.num_output_placeholders and r.sampling_params.penalized]
         if waiting:
-            last_ids, last_row = self._last_sampled
-            src = to_device([last_row[requests[row].request_id] for row in waiting], torch.int64, self.device)
-            in_flight = (waiting, last_ids.index_select(0, src))
+            in_flight = (waiting, self._in_flight_ids([requests[row].request_id for row in waiting]))
         batch = SamplingBatch.build([SamplingRow(r) for r in requests], self.vocab_size, self.device, in_flight)
         if greedy_ids is not None and batch.argmax_only:
             sampled = SamplerOutput(greedy_ids)  # what the sampler returns here, computed in the graph
@@ -248,17 +236,14 @@ class ModelRunner:
             sampled = self.sampler(logits, batch)
         ids = sampled.token_ids
         self._last_sampled = (ids, {scheduled[i].request.request_id: row for row, (i, _) in enumerate(sample_rows)})
-        host = self._host_ids[self._num_launched % 2][: len(ids)]
-        self._num_launched += 1
-        copied = None
-        if ids.is_cuda:
-            host.copy_(ids, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host.copy_(ids)
+        host, copied = self._host_ids.start_copy(ids)
         return PendingStep(sched, host_ids=host, copied=copied, sample_rows=sample_rows, sampled=sampled,
                            batch=batch)
+
+    def _in_flight_ids(self, request_ids: list[str]) -> torch.Tensor:  # [n] int64 on the device
+        """The tokens the last launched step sampled for these requests, which the host does not know yet."""
+        last_ids, last_row = self._last_sampled
+        return last_ids.index_select(0, to_device([last_row[r] for r in request_ids], torch.int64, self.device))
 
     def collect(self, pending: PendingStep) -> RunnerOutput:
         """Wait for a launched step's tokens; its RunnerOutput."""
@@ -334,10 +319,7 @@ class ModelRunner:
         sample_rows = list(zip(req_of_row.tolist(), offset.tolist(), strict=True))
         # Tokens still on the device (async scheduling): take them from the last launched step's ids.
         holes = np.flatnonzero(buf.input_ids.np[:t] == PLACEHOLDER)
-        if len(holes):
-            buf.input_ids.np[holes] = 0
-            last_ids, last_row = self._last_sampled
-            src = [last_row[scheduled[r].request.request_id] for r in req_of_token[holes].tolist()]
+        buf.input_ids.np[holes] = 0
         max_query_len = int(num_new.max())
         graph_key = self.cuda_graphs.key_for(num_reqs, max_query_len) if self.cuda_graphs is not None else None
         nr, nt = num_reqs, t  # rows to copy: the step's, or the padded graph batch's
@@ -368,7 +350,8 @@ class ModelRunner:
             self._inputs_copied.record()
         if len(holes):
             dst = to_device(torch.from_numpy(holes), torch.int64, self.device)
-            input_ids.index_copy_(0, dst, last_ids.index_select(0, to_device(src, torch.int64, self.device)))
+            input_ids.index_copy_(0, dst, self._in_flight_ids([scheduled[r].request.request_id
+                                                               for r in req_of_token[holes].tolist()]))
         return common, sample_rows, graph_key, logits_indices
 
     def _verify(
@@ -377,7 +360,7 @@ class ModelRunner:
         sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
         logits: torch.Tensor,  # [num_sample_rows, vocab]
         greedy_ids: torch.Tensor | None = None,  # [num_sample_rows] logits.argmax(-1), when the graph computed it
-    ) -> tuple[list[list[int]], None, list[int]]:
+    ) -> tuple[list[list[int]], list[int]]:
         """Rejection-sample the drafts of every request that emits this step (vLLM's [B, k+1] rule): the
         tokens each request emits, and how many drafts each rejected."""
         rows = [
@@ -401,7 +384,7 @@ class ModelRunner:
                 emitted[i] = d[:n] + [target[row + n]]
                 num_rejected[i] = len(d) - n
                 row += len(d) + 1
-            return emitted, None, num_rejected
+            return emitted, num_rejected
         rejection_sample = load_rejection_sampler()
         draft_probs = None
         if any(x is not None for x in q) and all(x is not None for x, d in zip(q, drafts) if d):
@@ -415,7 +398,7 @@ class ModelRunner:
         for i, row in zip(reqs, tokens, strict=True):
             emitted[i] = [t for t in row if t != -1]
             num_rejected[i] = len(scheduled[i].spec_token_ids) + 1 - len(emitted[i])
-        return emitted, None, num_rejected
+        return emitted, num_rejected
 
     def _copy_block_table(self, num_reqs: int, num_cols: int) -> torch.Tensor:
         """Copy only the live corner of the block table; kernels read rows through their stride."""

@@ -286,7 +286,7 @@ class Scheduler:
             if request.finish_reason is not None:
                 finished.append(request)
                 continue
-            self.kv_cache.cache_blocks(request, min(request.num_computed_tokens, request.num_known_tokens))
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             if runner_output.draft_token_ids:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
         if finished:
@@ -367,7 +367,7 @@ class Scheduler:
             del request.output_token_ids[-request.num_output_placeholders :]
             request.num_output_placeholders = 0
         if request.status == RequestStatus.RUNNING:
-            self.kv_cache.cache_blocks(request, min(request.num_computed_tokens, request.num_known_tokens))
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
