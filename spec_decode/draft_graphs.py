@@ -1,156 +1,248 @@
-"""CUDA graphs for the chained drafting steps of the model-based proposers (EAGLE, EAGLE-3, draft model).
+"""CUDA graphs for the drafting of the model-based proposers (EAGLE, EAGLE-3, draft model): a step drafts
+with one replay and one device -> host copy.
 
-After draft 1 (from the eager forward over the verified rows), drafts 2 .. k of a greedy draft batch are
-k - 1 single-token steps that depend only on each other: feed draft j at position last + j, take the
-argmax as draft j + 1. One graph per padded batch size A holds the whole chain, so a step drafts with one
-replay and one device -> host copy of the drafts, instead of k - 1 eager forwards each closed by a sync.
+A greedy drafting step is two parts, both captured in one graph per padded batch size B:
+1. The entry forward over the rows the target just verified, at most q = k + 1 per request (EAGLE: the
+   positions c .. n-1, each reading x[t+1] and the target's feature at t; a draft model: its catch-up
+   tokens valid .. n). The argmax at each request's last row is draft 1.
+2. The chain: k - 1 single-token steps that depend only on each other. Feed draft j at position
+   last + j, take the argmax as draft j + 1 (EAGLE also carries the head's own output as the next feature).
 
-Persistent buffers (rows 0 .. A, allocated once; a replay reads them where the capture did):
-    ids [A] int64          the token each row feeds next (draft 1 on entry)
-    positions [A] int64    its position (last + 1 on entry); += 1 per chained step
-    limit [A] int64        rows feed (and write KV) only at positions < limit = last + budget: the
-                           scheduler allocated slots for the drafts the request asked for, no more
-    carry [A, H]           EAGLE's feature for the next step (the head's own output); none for a draft model
-    block_table [A, B]     the request's rows of the target step's block table (the KV is shared)
-    query_start_loc [A+1], seq_lens [A], slot_mapping [A], request_rows [A]: the attention record
-                           (request_rows stays -1: only state layers read it, and drafters have none)
-    drafts [A, k-1] int64  drafts 2 .. k
-Each chained step, inside the graph: seq_lens = positions + 1 on real rows (0 on padding), slot =
-block_table[row, pos // block_size] * block_size + pos % block_size (-1 past limit or on padding), the
-forward, logits, argmax -> drafts[:, j], ids; positions += 1. Padded rows (n .. A) have query length 0,
-as in `research_lm.cuda_graphs`. Rows past their limit still compute (their drafts are dropped on the
-host), at position 0 so no rotary table is read out of range.
+Persistent buffers, allocated once for the largest size A (a replay reads them where the capture did):
+    staging [3Aq + 5A + 1] int64   one host -> device copy per step; at the offsets of size B (`_Layout`):
+                                   entry token rows (ids, positions, request row or -1 on padding, feature
+                                   row in the target step), then per request row query_start_loc, seq_len,
+                                   last row, draft budget, and its row in the target step's block table
+    features [Aq, F]               EAGLE's target features of the entry rows (EAGLE-3: the three aux streams
+                                   side by side; the head's fc runs inside the graph); none for a draft model
+    block_table [A, blocks]        each request's row of the target step's block table (the KV is shared)
+    entry record: query_start_loc [A+1], seq_lens [A], slot_mapping [Aq] (slots come from block_table
+                                   inside the graph, -1 on padding)
+    chain: ids [A], positions [A] (+= 1 per step), limit [A] = last position + budget (rows feed, and write
+                                   KV, only below it: the scheduler allocated slots for the drafts the
+                                   request asked for, no more), carry [A, H] (EAGLE), and the chain's record
+    drafts [A, k] int64            drafts 1 .. k of each request
+Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
+rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
+writing no KV; their drafts are dropped on the host.
 
-Used only when every drafting request is greedy with nothing that changes the argmax (no penalties or
-min_tokens ban; logprobs do not matter, drafts never return them) and the batch fits the largest size;
-otherwise `Drafting.chain` runs its eager steps. Not captured at all for a drafter with a layer that syncs
-with the host in forward (`research_lm.cuda_graphs.uncapturable_reason`: the runner checks only the
-target). The attention launch plan is fixed at capture with max_seq_len = max_model_len +
-num_lookahead_tokens, the longest any draft row reaches.
+Used when every drafting request is greedy with nothing that changes the argmax (no penalties or
+min_tokens ban; logprobs do not matter, drafts never return them), every request's entry is at most q
+rows (a prompt chunk rarely is), and the batch fits the largest size; otherwise the proposer drafts
+eagerly. Not captured at all for a drafter with a layer that syncs with the host in forward
+(`research_lm.cuda_graphs.uncapturable_reason`; the runner checks only the target), and the entry is
+captured with q = 1 only where an attention backend lacks `cuda_graphs_multi_token`. The attention launch
+plans are fixed at capture with max_seq_len = max_model_len + num_lookahead_tokens, the longest any
+draft row reaches.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.cuda_graphs import Capture
 
-# (ids [A], positions [A], metadata, carry [A, H] | None) -> (logits [A, >= vocab] fp32, next carry | None)
-DraftStep = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],
-                     tuple[torch.Tensor, torch.Tensor | None]]
+# (ids [T], positions [T], metadata, features or carry [T, F] | None) -> (out for the logits [T, H], carry | None)
+DraftForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],
+                        tuple[torch.Tensor, torch.Tensor | None]]
 
 
-class DraftChainGraphs:
+@dataclass(frozen=True)
+class _Layout:
+    """Offsets into `staging` for B requests of at most q entry rows each."""
+
+    b: int
+    q: int
+
+    @property
+    def t(self) -> int:
+        return self.b * self.q
+
+    def token(self, i: int) -> slice:  # 0 ids, 1 positions, 2 request rows, 3 feature rows
+        return slice(i * self.t, (i + 1) * self.t)
+
+    def request(self, i: int) -> slice:  # 0 query_start_loc (B + 1), 1 seq_lens, 2 last rows, 3 budgets, 4 rows
+        start = 4 * self.t + (i > 0) * (self.b + 1) + max(i - 1, 0) * self.b
+        return slice(start, start + (self.b + 1 if i == 0 else self.b))
+
+    @property
+    def size(self) -> int:
+        return 4 * self.t + 5 * self.b + 1
+
+
+class DraftGraphs:
     def __init__(
         self,
-        step: DraftStep,
-        layers: Sequence[CacheLayer],  # the drafter's attention layers (their backends build the metadata)
         *,
+        entry: DraftForward,  # the entry forward: features [T, F] (or None) as the last argument
+        step: DraftForward,  # one chained step: the carry [T, H] (or None) as the last argument
+        logits: Callable[[torch.Tensor], torch.Tensor],  # out [n, H] -> [n, >= vocab] fp32
+        layers: Sequence[CacheLayer],  # the drafter's attention layers (their backends build the metadata)
         num_speculative_tokens: int,
         vocab_size: int,
         sizes: Sequence[int],
+        query_len: int,  # q: the longest entry a graph serves (k + 1, or 1 without multi-token attention)
         block_size: int,
         max_blocks_per_req: int,
         max_seq_len: int,
-        carry_shape: tuple[int, ...] | None,  # (H,) with the dtype below, or None: no carry
-        carry_dtype: torch.dtype,
+        features: tuple[int, torch.dtype] | None,  # (F, dtype) of the entry features, or None
+        carry: tuple[int, torch.dtype] | None,  # (H, dtype) of the chain's carry, or None
         device: torch.device,
         capture: Capture,
     ):
         self.k, self.vocab_size, self.block_size = num_speculative_tokens, vocab_size, block_size
+        self.query_len = query_len
         self.sizes = sorted(s for s in set(sizes) if s >= 1)
-        a = self.sizes[-1]
+        a, q = self.sizes[-1], query_len
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
-        self.ids, self.positions, self.limit = (torch.zeros(a, **i64) for _ in range(3))
-        self.carry = torch.zeros(a, *carry_shape, dtype=carry_dtype, device=device) if carry_shape else None
+        self.staging = torch.zeros(_Layout(a, q).size, **i64)
+        self.features = torch.zeros(a * q, features[0], dtype=features[1], device=device) if features else None
         self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
-        self.query_start_loc = torch.zeros(a + 1, **i32)
-        self.seq_lens = torch.zeros(a, **i32)
+        self.entry_qsl, self.entry_seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)
+        self.entry_slots = torch.full((a * q,), -1, **i64)
+        self.ids, self.positions, self.limit = (torch.zeros(a, **i64) for _ in range(3))
+        self.carry = torch.zeros(a, carry[0], dtype=carry[1], device=device) if carry else None
+        self.query_start_loc, self.seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)
         self.slot_mapping = torch.full((a,), -1, **i64)
-        self.request_rows = torch.full((a,), -1, **i32)
-        self.drafts = torch.zeros(a, self.k - 1, **i64)  # built only for k >= 2
+        self.request_rows = torch.full((a,), -1, **i32)  # stays -1: only state layers read it, drafters have none
+        self.drafts = torch.zeros(a, self.k, **i64)
         self._replay: dict[int, Callable[[], Any]] = {}
-        backends = {layer.backend.name: layer.backend for layer in layers}
+        self._entry, self._step, self._logits = entry, step, logits
+        self._backends = {layer.backend.name: layer.backend for layer in layers}
+        self._max_seq_len = max_seq_len
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            self._fill_entry(size, num_reqs=size)  # capture: every row real, position 0, writing no KV
-            self.positions.zero_()
-            self.limit.zero_()
-            common = CommonAttentionMetadata(
-                query_start_loc=self.query_start_loc[: size + 1], query_start_loc_cpu=torch.zeros(size + 1),
-                seq_lens=self.seq_lens[:size], seq_lens_cpu=torch.ones(size, dtype=torch.int32),
-                num_computed_tokens_cpu=torch.zeros(size, dtype=torch.int32), block_table=self.block_table[:size],
-                slot_mapping=self.slot_mapping[:size], request_rows=self.request_rows[:size], num_reqs=size,
-                num_tokens=size, max_query_len=1, max_seq_len=max_seq_len, block_size=block_size,
-            )
-            metadata = {name: b.build_metadata(common) for name, b in backends.items()}
-            self._replay[size] = capture(self._chain_fn(step, size, metadata), pool)
+            self._fill_for_capture(_Layout(size, q))
+            self._replay[size] = capture(self._draft_fn(_Layout(size, q)), pool)
 
-    def _chain_fn(self, step: DraftStep, size: int, metadata: dict[str, Any]) -> Callable[[], None]:
-        ids, positions, limit = self.ids[:size], self.positions[:size], self.limit[:size]
-        carry = None if self.carry is None else self.carry[:size]
-        block_table, bs = self.block_table[:size], self.block_size
-        qsl = self.query_start_loc[: size + 1]
-        seq_lens, slots, drafts = self.seq_lens[:size], self.slot_mapping[:size], self.drafts[:size]
-        last_block = block_table.shape[1] - 1
+    def _record(self, qsl, seq_lens, slots, num_reqs: int, num_tokens: int, max_query_len: int) -> dict[str, Any]:
+        """Each backend's metadata over these buffers, built once at capture."""
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
+            num_computed_tokens_cpu=torch.zeros(num_reqs, dtype=torch.int32), block_table=self.block_table[:num_reqs],
+            slot_mapping=slots, request_rows=self.request_rows[:num_reqs], num_reqs=num_reqs, num_tokens=num_tokens,
+            max_query_len=max_query_len, max_seq_len=self._max_seq_len, block_size=self.block_size,
+        )
+        return {name: b.build_metadata(common) for name, b in self._backends.items()}
+
+    def _fill_for_capture(self, lay: _Layout) -> None:
+        """B requests of q rows at positions 0 .. q-1, writing no KV (request row -1), budget 0."""
+        host = torch.zeros(lay.size, dtype=torch.int64)
+        host[lay.token(1)] = torch.arange(lay.q).repeat(lay.b)
+        host[lay.token(2)] = -1
+        host[lay.request(0)] = torch.arange(0, lay.t + 1, lay.q)
+        host[lay.request(1)] = lay.q
+        host[lay.request(2)] = torch.arange(lay.q - 1, lay.t, lay.q)
+        self.staging[: lay.size].copy_(host)
+        self.entry_qsl[: lay.b + 1].copy_(host[lay.request(0)])
+        self.entry_seq_lens[: lay.b].copy_(host[lay.request(1)])
+        self.query_start_loc[: lay.b + 1].copy_(torch.arange(lay.b + 1))
+        self.seq_lens[: lay.b].fill_(1)
+
+    def _draft_fn(self, lay: _Layout) -> Callable[[], None]:
+        b, t, bs = lay.b, lay.t, self.block_size
+        st = self.staging
+        ids_in, pos_in, req_in = st[lay.token(0)], st[lay.token(1)], st[lay.token(2)]
+        qsl_in, seq_lens_in, last, budget = (st[lay.request(i)] for i in range(4))
+        entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
+        features = None if self.features is None else self.features[:t]
+        entry_md = self._record(entry_qsl, entry_seq_lens, entry_slots, b, t, lay.q)
+        ids, positions, limit = self.ids[:b], self.positions[:b], self.limit[:b]
+        carry = None if self.carry is None else self.carry[:b]
+        qsl, seq_lens, slots = self.query_start_loc[: b + 1], self.seq_lens[:b], self.slot_mapping[:b]
+        drafts = self.drafts[:b]
+        chain_md = self._record(qsl, seq_lens, slots, b, b, 1)
+        block_table, last_block = self.block_table[:b], self.block_table.shape[1] - 1
+
+        def slot_of(rows: torch.Tensor, pos: torch.Tensor, writes: torch.Tensor) -> torch.Tensor:
+            block = block_table[rows, (pos // bs).clamp(max=last_block)]
+            return torch.where(writes, block.long() * bs + pos % bs, -1)
 
         @torch.inference_mode()
-        def chain() -> None:
-            real = qsl[1:] > qsl[:-1]  # [size] bool: padding rows have query length 0
-            for j in range(self.k - 1):
+        def draft() -> None:
+            entry_qsl.copy_(qsl_in)
+            entry_seq_lens.copy_(seq_lens_in)
+            entry_slots.copy_(slot_of(req_in.clamp(min=0), pos_in, req_in >= 0))
+            out, nxt = self._entry(ids_in, pos_in, entry_md, features)
+            torch.argmax(self._logits(out[last])[:, : self.vocab_size], dim=-1, out=drafts[:, 0])
+            if self.k == 1:
+                return
+            real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
+            qsl[1:].copy_(torch.cumsum(real, 0))
+            ids.copy_(drafts[:, 0])
+            positions.copy_(pos_in[last] + 1)
+            limit.copy_(positions + budget - 1)
+            if carry is not None:
+                carry.copy_(nxt[last])
+            rows = torch.arange(b, device=ids.device)
+            for j in range(1, self.k):
                 feeds = real & (positions < limit)
                 seq_lens.copy_(torch.where(real, positions + 1, 0))
-                block = block_table.gather(1, (positions // bs).clamp(max=last_block)[:, None])[:, 0]
-                slots.copy_(torch.where(feeds, block.long() * bs + positions % bs, -1))
-                logits, nxt_carry = step(ids, torch.where(feeds, positions, 0), metadata, carry)
-                torch.argmax(logits[:, : self.vocab_size], dim=-1, out=drafts[:, j])
+                slots.copy_(slot_of(rows, positions, feeds))
+                out, nxt = self._step(ids, torch.where(feeds, positions, 0), chain_md, carry)
+                torch.argmax(self._logits(out)[:, : self.vocab_size], dim=-1, out=drafts[:, j])
                 ids.copy_(drafts[:, j])
                 positions.add_(1)
                 if carry is not None:
-                    carry.copy_(nxt_carry)
+                    carry.copy_(nxt)
 
-        return chain
-
-    def _fill_entry(self, size: int, num_reqs: int) -> None:
-        """Query lengths: 1 for rows < num_reqs, 0 after (padding)."""
-        qsl = torch.arange(size + 1, dtype=torch.int32).clamp_(max=num_reqs)
-        self.query_start_loc[: size + 1].copy_(qsl, non_blocking=True)
+        return draft
 
     def padded_size(self, num_reqs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
+    def serves(self, entry_lens: Sequence[int]) -> bool:
+        """Does a graph fit a step whose requests have these entry lengths?"""
+        return self.padded_size(len(entry_lens)) is not None and max(entry_lens, default=0) <= self.query_len
+
     @torch.inference_mode()
     def run(
         self,
         block_table: torch.Tensor,  # [step's requests, >= blocks] the target step's block table
-        rows: Sequence[int],  # [n] each draft request's row in it
-        first: torch.Tensor,  # [n] int64 draft 1 of each request (device)
-        last_positions: Sequence[int],  # [n] position of each request's newest verified token
-        budgets: Sequence[int],  # [n] drafts each request wants (>= 1)
-        carry: torch.Tensor | None,  # [n, H] EAGLE's feature after draft 1's row
-    ) -> list[list[int]]:  # per request, drafts 2 .. budget
-        n = len(budgets)
+        rows: Sequence[int],  # [n] each request's row in it
+        tokens: Sequence[int],  # [T] the entry rows' tokens, request after request
+        starts: Sequence[int],  # [n] position of each request's first entry row
+        lens: Sequence[int],  # [n] its entry rows (1 .. q)
+        budgets: Sequence[int],  # [n] drafts it wants (0: none; its entry rows still write the drafter's KV)
+        features: Callable[[torch.Tensor], torch.Tensor] | None = None,  # feature rows [T] (device) -> [T, F]
+        feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
+    ) -> list[list[int]]:  # per request, drafts 1 .. budget
+        n, num_tokens = len(lens), len(tokens)
         size = self.padded_size(n)
-        assert size is not None and (carry is None) == (self.carry is None)
-        self._fill_entry(size, n)
-        host = torch.tensor([[p + 1 for p in last_positions],
-                             [p + b for p, b in zip(last_positions, budgets, strict=True)], list(rows)])
-        entry = host.to(self.ids.device)  # one copy: positions, limits, block table rows
-        self.positions[:n].copy_(entry[0])
-        self.limit[:n].copy_(entry[1])
+        assert size is not None and max(lens) <= self.query_len and (features is None) == (self.features is None)
+        lay = _Layout(size, self.query_len)
+        lens_np = np.asarray(lens, dtype=np.int64)
+        ends = np.cumsum(lens_np)
+        host = np.zeros(lay.size, dtype=np.int64)
+        token, request = (lambda i: host[lay.token(i)]), (lambda i: host[lay.request(i)])
+        token(0)[:num_tokens] = tokens
+        req_of_token = np.repeat(np.arange(n), lens_np)
+        offset = np.asarray(starts) - (ends - lens_np)  # position - token index, per request
+        token(1)[:num_tokens] = np.arange(num_tokens) + offset[req_of_token]
+        token(2)[:] = -1
+        token(2)[:num_tokens] = req_of_token
+        if feature_rows is not None:
+            token(3)[:num_tokens] = feature_rows
+        request(0)[1 : n + 1] = ends
+        request(0)[n + 1 :] = num_tokens
+        request(1)[:n] = np.asarray(starts) + lens_np
+        request(2)[:n] = ends - 1
+        request(3)[:n] = budgets
+        request(4)[:n] = rows
+        staged = self.staging[: lay.size]
+        staged.copy_(torch.from_numpy(host))
         cols = min(block_table.shape[1], self.block_table.shape[1])
-        self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, entry[2]))
-        self.ids[:n].copy_(first)
-        self.positions[n:size].zero_()
-        if carry is not None:
-            self.carry[:n].copy_(carry)
+        self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
+        if features is not None:
+            self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
         self._replay[size]()
-        drafted = self.drafts[:n].tolist()
-        return [row[: b - 1] for row, b in zip(drafted, budgets, strict=True)]
+        return [row[:b] for row, b in zip(self.drafts[:n].tolist(), budgets, strict=True)]

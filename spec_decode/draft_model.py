@@ -28,7 +28,7 @@ from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
 from research_lm.request import Request
 from research_lm.spec import Proposal, StepOutcome
-from spec_decode.draft_graphs import DraftChainGraphs
+from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
 
 _PAGED_KINDS = ("attention", "mla")
@@ -56,7 +56,7 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         # request id -> (positions [0, valid) whose draft KV is right, drafts fed at valid, valid+1, ...)
         self._fed: dict[str, tuple[int, list[int]]] = {}
-        self.graphs: DraftChainGraphs | None = None  # set by capture_cuda_graphs
+        self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
 
     def _valid(self, req: Request, emitted: list[int], computed: int) -> int:
         state = self._fed.get(req.request_id)
@@ -96,42 +96,47 @@ class DraftModelProposer:
             self._fed[req.request_id] = (max(valid, end), [])
         if not batch_rows:
             return drafting.proposal(reqs)
-        positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
-        hidden = self._forward(tokens, positions, md)
-        if not drafting.index:
-            return drafting.proposal(reqs)
+        if self.graphs is not None and self.graphs.serves(lens) and drafting.argmax_only(self.vocab_size):
+            budget = dict(zip(drafting.index, drafting.budget, strict=True))
+            drafts = self.graphs.run(outcome.common.block_table, batch_rows, tokens, starts, lens,
+                                     [budget.get(i, 0) for i in batch_rows])
+            drafting.take(batch_rows, drafts)
+        else:
+            positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
+            hidden = self._forward(tokens, positions, md)
+            if not drafting.index:
+                return drafting.proposal(reqs)
+            row_in_batch = {i: r for r, i in enumerate(batch_rows)}
+            ends = torch.tensor(lens).cumsum(0) - 1
+            last = ends[[row_in_batch[i] for i in drafting.index]].to(positions.device)
 
-        row_in_batch = {i: r for r, i in enumerate(batch_rows)}
-        ends = torch.tensor(lens).cumsum(0) - 1
-        last = ends[[row_in_batch[i] for i in drafting.index]].to(positions.device)
+            def step(rows, positions, ids, _):
+                positions, md = draft_metadata(outcome.common, rows, positions, [1] * len(ids), self.cache_layers)
+                return self.model.compute_logits(self._forward(ids, positions, md)), None
 
-        def step(rows, positions, ids, _):
-            positions, md = draft_metadata(outcome.common, rows, positions, [1] * len(ids), self.cache_layers)
-            return self.model.compute_logits(self._forward(ids, positions, md)), None
-
-        last_pos = [newest[i] for i in drafting.index]
-        drafting.chain(self.model.compute_logits(hidden[last]), last_pos, self.vocab_size, step, graphs=self.graphs,
-                       block_table=outcome.common.block_table)
+            drafting.chain(self.model.compute_logits(hidden[last]), [newest[i] for i in drafting.index],
+                           self.vocab_size, step)
         for i, req, toks in zip(drafting.index, drafting.requests, drafting.tokens, strict=True):
             self._fed[req.request_id] = (newest[i] + 1, toks[:-1])  # d(k) was never fed
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
                             max_blocks_per_req: int) -> None:
-        """Graphs of the chained drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
+        """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
         backends = [layer.backend for layer in self.cache_layers]
-        if self.num_speculative_tokens < 2 or uncapturable_reason(self.model, backends) is not None:
+        if uncapturable_reason(self.model, backends) is not None:
             return
+        multi_token = all(b.capabilities.cuda_graphs_multi_token for b in backends)
 
-        def step(ids, positions, md, _):
-            return self.model.compute_logits(self._forward(ids, positions, md)), None
+        def forward(ids, positions, md, _):
+            return self._forward(ids, positions, md), None
 
-        device = next(self.model.parameters()).device
-        self.graphs = DraftChainGraphs(
-            step, self.cache_layers, num_speculative_tokens=self.num_speculative_tokens,
-            vocab_size=self.vocab_size, sizes=sizes, block_size=block_size, max_blocks_per_req=max_blocks_per_req,
-            max_seq_len=self.max_model_len + self.num_lookahead_tokens, carry_shape=None, carry_dtype=torch.float32,
-            device=device, capture=capture,
+        self.graphs = DraftGraphs(
+            entry=forward, step=forward, logits=self.model.compute_logits, layers=self.cache_layers,
+            num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size, sizes=sizes,
+            query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
+            max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
+            features=None, carry=None, device=next(self.model.parameters()).device, capture=capture,
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

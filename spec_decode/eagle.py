@@ -53,7 +53,7 @@ from research_lm.models.layers import (
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
 from research_lm.spec import Proposal, StepOutcome
-from spec_decode.draft_graphs import DraftChainGraphs
+from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
@@ -175,9 +175,6 @@ class Eagle3Head(nn.Module):
         # draft id -> target id; filled from the checkpoint's d2t offsets
         self.register_buffer("draft_to_target", torch.arange(draft_vocab_size, device=build.device))
 
-    def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:  # per aux layer [T, H_target] -> [T, H]
-        return self.fc(torch.cat(aux, dim=-1))
-
     def forward(
         self,
         embeds: torch.Tensor,  # [T, H]
@@ -229,21 +226,28 @@ class EagleProposer:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.cache_layers = cache_layers_of(head)
-        self.graphs: DraftChainGraphs | None = None  # set by capture_cuda_graphs
+        self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         embed = self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
         return embed(ids)
 
-    def _features(self, outcome: StepOutcome, rows: torch.Tensor) -> torch.Tensor:  # rows [T] -> [T, H]
+    def _target_features(self, outcome: StepOutcome, rows: torch.Tensor) -> torch.Tensor:  # rows [T] -> [T, F]
+        """What the head reads of the target at these rows: EAGLE-3 its aux streams side by side (F = 3 H_target)."""
         if isinstance(self.head, Eagle3Head):
-            return self.head.fuse([aux[rows] for aux in outcome.aux_hidden_states])
+            return torch.cat([aux[rows] for aux in outcome.aux_hidden_states], dim=-1)
         return outcome.hidden_states[rows]
+
+    def _head_features(self, target_features: torch.Tensor) -> torch.Tensor:  # [T, F] -> [T, H]
+        return self.head.fc(target_features) if isinstance(self.head, Eagle3Head) else target_features
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, vocab] fp32
         if isinstance(self.head, Eagle3Head) and self.head.lm_head is not None:
             return self.head.compute_logits(out)
         return self.target.compute_logits(out)
+
+    def _forward(self, ids, positions, md, features):  # `DraftForward` over the head's own features
+        return self.head(self._embed(ids), features, positions, md)
 
     def propose(self, outcome: StepOutcome) -> Proposal:
         reqs, emitted = outcome.requests, outcome.emitted
@@ -260,11 +264,19 @@ class EagleProposer:
             lens.append(count)
             tokens += token_span(req, e, c + 1, c + 1 + count)
             feature_rows += range(qsl[i], qsl[i] + count)
+        if self.graphs is not None and self.graphs.serves(lens) and drafting.argmax_only(self.vocab_size):
+            budget = dict(zip(drafting.index, drafting.budget, strict=True))
+            drafts = self.graphs.run(
+                outcome.common.block_table, batch_rows, tokens, starts, lens, [budget.get(i, 0) for i in batch_rows],
+                features=lambda rows: self._target_features(outcome, rows), feature_rows=feature_rows,
+            )
+            drafting.take(batch_rows, drafts)
+            return drafting.proposal(reqs)
         device = outcome.common.block_table.device
         positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-        features = self._features(outcome, torch.tensor(feature_rows, dtype=torch.int64, device=device))
-        out, hidden = self.head(self._embed(ids), features, positions, md)
+        rows = torch.tensor(feature_rows, dtype=torch.int64, device=device)
+        out, hidden = self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
         if not drafting.index:
             return drafting.proposal(reqs)
 
@@ -272,31 +284,30 @@ class EagleProposer:
 
         def step(batch_rows, positions, ids, features):
             positions, md = draft_metadata(outcome.common, batch_rows, positions, [1] * len(ids), self.cache_layers)
-            out, features = self.head(self._embed(ids), features, positions, md)
+            out, features = self._forward(ids, positions, md, features)
             return self._logits(out), features
 
         last_pos = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
-        drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last],
-                       graphs=self.graphs, block_table=outcome.common.block_table)
+        drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last])
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
                             max_blocks_per_req: int) -> None:
-        """Graphs of the chained drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
+        """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
         backends = [layer.backend for layer in self.cache_layers]
-        if self.num_speculative_tokens < 2 or uncapturable_reason(self.head, backends) is not None:
+        if uncapturable_reason(self.head, backends) is not None:
             return
-
-        def step(ids, positions, md, carry):
-            out, features = self.head(self._embed(ids), carry, positions, md)
-            return self._logits(out), features
-
+        multi_token = all(b.capabilities.cuda_graphs_multi_token for b in backends)
         fc = self.head.fc.weight  # [H, fc input]: the carried feature is the head's output, H wide
-        self.graphs = DraftChainGraphs(
-            step, self.cache_layers, num_speculative_tokens=self.num_speculative_tokens,
-            vocab_size=self.vocab_size, sizes=sizes, block_size=block_size, max_blocks_per_req=max_blocks_per_req,
-            max_seq_len=self.max_model_len + self.num_lookahead_tokens, carry_shape=(fc.shape[0],),
-            carry_dtype=fc.dtype, device=fc.device, capture=capture,
+        # The entry reads the target's features: EAGLE-3 its aux streams (fc's input), EAGLE-1 its hidden state.
+        width = fc.shape[1] if isinstance(self.head, Eagle3Head) else fc.shape[0]
+        self.graphs = DraftGraphs(
+            entry=lambda ids, pos, md, feats: self._forward(ids, pos, md, self._head_features(feats)),
+            step=self._forward, logits=self._logits, layers=self.cache_layers,
+            num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size, sizes=sizes,
+            query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
+            max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
+            features=(width, fc.dtype), carry=(fc.shape[0], fc.dtype), device=fc.device, capture=capture,
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

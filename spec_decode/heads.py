@@ -31,7 +31,6 @@ from research_lm.models.loader import checkpoint_files, iter_checkpoint, resolve
 from research_lm.request import Request
 from research_lm.sampler import SamplingBatch, SamplingRow, probs_from_processed, process_logits, random_sample
 from research_lm.spec import Proposal
-from spec_decode.draft_graphs import DraftChainGraphs
 
 # ---------------------------------------------------------------------------------------------------
 # Checkpoint reading
@@ -197,21 +196,12 @@ class Drafting:
         vocab_size: int,
         step: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
         carry: torch.Tensor | None = None,  # [len(index), ...] per-request state the step feeds on
-        graphs: DraftChainGraphs | None = None,
-        block_table: torch.Tensor | None = None,  # with graphs: the step's block table (rows `index`)
     ) -> None:
         """Draft 1 from `logits`, then draft j + 1 from `step(batch_rows, positions, ids, carry)`, which
-        feeds draft j at position last + j and returns (logits, carry) for the requests still drafting;
-        or drafts 2 .. k in one replay of `graphs` where they serve this batch (greedy, argmax only)."""
+        feeds draft j at position last + j and returns (logits, carry) for the requests still drafting.
+        The eager path: `spec_decode.draft_graphs` replays all of it where it serves the step."""
         active = list(range(len(self.index)))
         drafted = self.add(active, logits, vocab_size)
-        if max(self.budget, default=0) < 2:
-            return
-        if graphs is not None and graphs.padded_size(len(active)) is not None and self._argmax_only(vocab_size):
-            rest = graphs.run(block_table, self.index, drafted, last_positions, self.budget, carry)
-            for tokens, more in zip(self.tokens, rest, strict=True):
-                tokens += more
-            return
         for j in range(1, max(self.budget, default=0)):
             nxt = self.active(j)
             keep = torch.tensor([active.index(a) for a in nxt], dtype=torch.int64, device=drafted.device)
@@ -222,13 +212,18 @@ class Drafting:
             )
             drafted = self.add(active, logits, vocab_size)
 
-    def _argmax_only(self, vocab_size: int) -> bool:
-        """Would every next draft be the raw argmax (greedy, no penalty or min_tokens ban, no q kept)? A ban
-        only shrinks as the position grows, so what holds at draft 2 holds for the rest of the chain. Logprobs
+    def argmax_only(self, vocab_size: int) -> bool:
+        """Would every draft be the raw argmax (greedy, no penalty or min_tokens ban, no q kept)? A ban only
+        shrinks as the position grows, so what holds at draft 1 holds for the rest of the chain. Logprobs
         do not matter: drafts never return them (`pick_tokens` ignores them too)."""
         rows = [SamplingRow(r, o + t) for r, o, t in zip(self.requests, self.outputs, self.tokens, strict=True)]
         batch = SamplingBatch.build(rows, vocab_size)
         return not self.need_probs and batch.all_greedy and batch.no_penalties and batch.banned_rows is None
+
+    def take(self, rows: Sequence[int], drafts: Sequence[list[int]]) -> None:
+        """Drafts from a graph replay: drafts[r] belongs to the request at step row rows[r]."""
+        by_row = dict(zip(rows, drafts, strict=True))
+        self.tokens = [by_row[i] for i in self.index]
 
     def proposal(self, all_requests: Sequence[Request]) -> Proposal:
         token_ids = {r.request_id: [] for r in all_requests}

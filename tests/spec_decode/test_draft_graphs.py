@@ -16,7 +16,7 @@ import torch
 
 from research_lm import LLM, SamplingParams
 from research_lm.cuda_graphs import cuda_graph_capture, eager_capture
-from spec_decode.draft_graphs import DraftChainGraphs
+from spec_decode.draft_graphs import DraftGraphs
 from tests.spec_decode.test_draft_model import _variant
 from tests.spec_decode.test_spec_formats import V, eagle1_tensors, eagle3_tensors, write_eagle1, write_eagle3
 
@@ -47,8 +47,8 @@ def _spec(kind: str, tmp_path, checkpoint) -> dict:
     return {"method": "draft_model", "model": str(draft)}
 
 
-def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, list[int]]], list[int]]:
-    """Tokens, every step's proposal, and the sizes of the draft batches the graphs ran."""
+def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, list[int]]], list[tuple[int, int, int]]]:
+    """Tokens, every step's proposal, and per graph replay (requests, requests that drafted, longest entry)."""
     proposer, proposals, replays = llm.engine.runner.proposer, [], []
     propose, graphs = proposer.propose, getattr(proposer, "graphs", None)
 
@@ -59,19 +59,19 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, lis
 
     proposer.propose = spy
     if graphs is not None:
-        def counting_run(block_table, rows, *args):
-            replays.append(len(rows))
-            return DraftChainGraphs.run(graphs, block_table, rows, *args)
+        def counting_run(block_table, rows, tokens, starts, lens, budgets, **kwargs):
+            replays.append((len(rows), sum(b > 0 for b in budgets), max(lens)))
+            return DraftGraphs.run(graphs, block_table, rows, tokens, starts, lens, budgets, **kwargs)
         graphs.run = counting_run
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], proposals, replays
 
 
-def _pair(path: str, spec: dict, device: str, capture) -> tuple[LLM, LLM]:
+def _pair(path: str, spec: dict, device: str, capture, **knobs) -> tuple[LLM, LLM]:
     """(eager chain, graph chain) over the same checkpoints; the target's own graphs stay off."""
-    spec = {**spec, "num_speculative_tokens": K}
-    eager = LLM(path, device=device, cuda_graphs=False, speculative_config=spec, **KNOBS)
-    llm = LLM(path, device=device, cuda_graphs=False, speculative_config=spec, **KNOBS)
+    spec, knobs = {**spec, "num_speculative_tokens": K}, KNOBS | knobs
+    eager = LLM(path, device=device, cuda_graphs=False, speculative_config=spec, **knobs)
+    llm = LLM(path, device=device, cuda_graphs=False, speculative_config=spec, **knobs)
     runner = llm.engine.runner
     runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=capture, block_size=runner.block_size,
                                         max_blocks_per_req=runner.buffers.block_table.gpu.shape[1])
@@ -89,8 +89,25 @@ def test_graph_chain_drafts_what_the_eager_chain_drafts(kind, tiny_checkpoint, t
     assert got == want == [o.outputs[0].token_ids for o in LLM(str(checkpoint), device="cpu", **KNOBS).generate(
         prompts, _greedy(), use_tqdm=False)]
     assert proposals == want_proposals
-    assert 3 in replays and 1 in replays  # padded (3 -> 4) and single-request chains both ran
+    drafted = [d for _, d, _ in replays]
+    assert 3 in drafted and 1 in drafted  # padded (3 -> 4) and single-request replays both ran
+    assert len(replays) < len(proposals)  # the prompt chunks (entries longer than k + 1 rows) drafted eagerly
     assert any(len(d) < K for p in proposals for d in p.values() if d)  # budgets below k were cut
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
+def test_prompt_chunks_of_at_most_k_plus_1_tokens_draft_from_the_graph(kind, tiny_checkpoint, tmp_path):
+    """Entries of several rows per request (here prompt chunks of k + 1 tokens) replay with the right
+    positions, slots, features and last rows."""
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture,
+                       max_num_batched_tokens=K + 1)
+    prompts, params = _prompts()[1:], _greedy()[1:]
+    want, want_proposals, _ = _run(eager, prompts, params)
+    got, proposals, replays = _run(llm, prompts, params)
+    assert (got, proposals) == (want, want_proposals)
+    assert max(e for _, _, e in replays) == K + 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
@@ -103,7 +120,7 @@ def test_sampled_drafting_keeps_the_eager_chain(tiny_checkpoint, tmp_path):
     want, want_proposals, _ = _run(eager, _prompts()[:2], params[:2])
     got, proposals, replays = _run(llm, _prompts()[:2], params[:2])
     assert (got, proposals) == (want, want_proposals)
-    assert max(replays) == 1  # only once request 1 (sampling) has finished
+    assert max(d for _, d, _ in replays) == 1  # only steps where request 1 (sampling) does not draft
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
@@ -115,7 +132,7 @@ def test_greedy_requests_asking_for_logprobs_still_draft_from_the_graph(tiny_che
     want, want_proposals, _ = _run(eager, _prompts(), params)
     got, proposals, replays = _run(llm, _prompts(), params)
     assert (got, proposals) == (want, want_proposals)
-    assert 3 in replays
+    assert any(d == 3 for _, d, _ in replays)
 
 
 @pytest.mark.gpu
@@ -129,7 +146,7 @@ def test_graph_chain_matches_eager_on_cuda(kind, tiny_checkpoint, tmp_path):
     want, want_proposals, _ = _run(eager, prompts, _greedy())
     got, proposals, replays = _run(llm, prompts, _greedy())
     assert got == want and proposals == want_proposals
-    assert 3 in replays
+    assert any(d == 3 for _, d, _ in replays)
 
 
 def test_a_drafter_that_syncs_in_forward_is_not_captured(tiny_checkpoint):
