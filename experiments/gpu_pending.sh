@@ -6,6 +6,8 @@
 # Session 4 (2026-11-25) ran both at 6e6bc1b / 89ff565, and the tables bench_decode, bench_throughput,
 # bench_decode_8b and attention_ablation_h200 (parts over two calls, --print-commands / --from-sweep), and the
 # attention_ablation preset at GPU size (113 s). Still never run on a GPU: the fa2 variant of mla_flashinfer.
+# Session 5 ran `tests/spec_decode/test_draft_graphs.py -m gpu` at b47efbf (the whole-step draft graphs) and
+# spec_ablation_h200 on one H200. CPU-tested only since: Medusa's one-pass greedy drafts.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo

@@ -1,4 +1,4 @@
-"""Graph-captured drafting chains (spec_decode/draft_graphs.py) against the eager chain.
+"""Graph-captured drafting steps (spec_decode/draft_graphs.py: entry forward + chain) against the eager path.
 
 On CPU the graph is stood in for by a re-run over the same persistent buffers (`eager_capture`), with the
 Triton attention kernels under the interpreter: this checks the buffer plumbing (entry rows, padding,
