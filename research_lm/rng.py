@@ -47,7 +47,7 @@ _A, _B, _C = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # key m
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # fmix64 multipliers
 
 
-def _signed(x: int) -> int:
+def int64_bits(x: int) -> int:
     """The int64 with the same 64 bits as x (torch scalars must fit in int64)."""
     x &= _U64
     return x - (1 << 64) if x >> 63 else x
@@ -66,9 +66,9 @@ def _fmix64_py(x: int) -> int:
 def _fmix64_(z: torch.Tensor) -> torch.Tensor:  # int64, modified in place
     """`_fmix64_py` on int64 tensors: `>>` is arithmetic, so each shift is masked to be logical."""
     z ^= (z >> 30).bitwise_and_((1 << 34) - 1)
-    z *= _signed(_M1)
+    z *= int64_bits(_M1)
     z ^= (z >> 27).bitwise_and_((1 << 37) - 1)
-    z *= _signed(_M2)
+    z *= int64_bits(_M2)
     z ^= (z >> 31).bitwise_and_((1 << 33) - 1)
     return z
 
@@ -106,7 +106,7 @@ def _int64(values: Sequence[int] | torch.Tensor) -> torch.Tensor:  # [R] int64, 
     try:
         return torch.tensor(values, dtype=torch.int64)
     except (OverflowError, RuntimeError, ValueError):  # a seed outside int64: same bits mod 2^64
-        return torch.tensor([_signed(v) for v in values], dtype=torch.int64)
+        return torch.tensor([int64_bits(v) for v in values], dtype=torch.int64)
 
 
 def row_keys(
@@ -120,12 +120,12 @@ def row_keys(
     if s.device != p.device:  # mixed: hash on the accelerator side
         dev = s.device if s.device.type != "cpu" else p.device
         s, p = to_device(s, torch.int64, dev), to_device(p, torch.int64, dev)
-    key = s * _signed(_A)
-    key.add_(p, alpha=_signed(_B))
+    key = s * int64_bits(_A)
+    key.add_(p, alpha=int64_bits(_B))
     if isinstance(stream, torch.Tensor):
-        key.add_(to_device(stream, torch.int64, key.device), alpha=_signed(_C))
+        key.add_(to_device(stream, torch.int64, key.device), alpha=int64_bits(_C))
     else:
-        key.add_(_signed(stream * _C))
+        key.add_(int64_bits(stream * _C))
     return _fmix64_(key)
 
 
@@ -136,7 +136,7 @@ def _bits(
     device = torch.device(device)
     keys = to_device(row_keys(seeds, positions, stream), torch.int64, device)  # [R]
     cols = torch.arange(1, n + 1, dtype=torch.int64, device=device)  # [n]
-    z = torch.add(keys[:, None], cols[None, :], alpha=_signed(_GAMMA))  # key + (col + 1) * GAMMA
+    z = torch.add(keys[:, None], cols[None, :], alpha=int64_bits(_GAMMA))  # key + (col + 1) * GAMMA
     return _fmix64_(z)
 
 

@@ -1,18 +1,25 @@
 """CUDA graphs for the drafting of the model-based proposers (EAGLE, EAGLE-3, draft model): a step drafts
 with one replay and one device -> host copy.
 
-A greedy drafting step is two parts, both captured in one graph per padded batch size B:
+A drafting step is two parts, both captured in one graph per padded batch size B and pick rule:
 1. The entry forward over the rows the target just verified, at most q = k + 1 per request (EAGLE: the
    positions c .. n-1, each reading x[t+1] and the target's feature at t; a draft model: its catch-up
    tokens valid .. n). The argmax at each request's last row is draft 1.
 2. The chain: k - 1 single-token steps that depend only on each other. Feed draft j at position
-   last + j, take the argmax as draft j + 1 (EAGLE also carries the head's own output as the next feature).
+   last + j, pick draft j + 1 (EAGLE also carries the head's own output as the next feature).
+Each draft is picked as `spec_decode.heads.pick_tokens` would, by one of two rules (`Drafting.pick_rule`):
+"argmax" when every drafting request is greedy, and "sample" when some sample with a temperature and
+nothing else. "sample" keeps q = softmax(logits / T) (one-hot on greedy rows) in `probs` and draws from it
+with the exponential race on the DRAFT stream at (seed, output position), so a draft depends on neither the
+batch nor the path (graph or eager).
 
 Persistent buffers, allocated once for the largest size A (a replay reads them where the capture did):
-    staging [3Aq + 5A + 1] int64   one host -> device copy per step; at the offsets of size B (`_Layout`):
+    staging [4Aq + 8A + 1] int64   one host -> device copy per step; at the offsets of size B (`_Layout`):
                                    entry token rows (ids, positions, request row or -1 on padding, feature
                                    row in the target step), then per request row query_start_loc, seq_len,
-                                   last row, draft budget, and its row in the target step's block table
+                                   last row, draft budget, its row in the target step's block table, and
+                                   for "sample" its seed, the output position of draft 1 and greedy flag
+    temperature [A] float32        "sample": a second copy (1 on greedy and padding rows)
     features [Aq, F]               EAGLE's target features of the entry rows (EAGLE-3: the three aux streams
                                    side by side; the head's fc runs inside the graph); none for a draft model
     block_table [A, blocks]        each request's row of the target step's block table (the KV is shared)
@@ -22,13 +29,14 @@ Persistent buffers, allocated once for the largest size A (a replay reads them w
                                    KV, only below it: the scheduler allocated slots for the drafts the
                                    request asked for, no more), carry [A, H] (EAGLE), and the chain's record
     drafts [A, k] int64            drafts 1 .. k of each request
+    probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
 Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
 writing no KV; their drafts are dropped on the host.
 
-Used when every drafting request is greedy with nothing that changes the argmax (no penalties or
-min_tokens ban; logprobs do not matter, drafts never return them), every request's entry is at most q
-rows (a prompt chunk rarely is), and the batch fits the largest size; otherwise the proposer drafts
+Used when a pick rule serves every drafting request (no penalties or min_tokens ban; with sampling no
+top-k, top-p or min-p; logprobs do not matter, drafts never return them), every request's entry is at most
+q rows (a prompt chunk rarely is), and the batch fits the largest size; otherwise the proposer drafts
 eagerly. Not captured at all for a drafter with a layer that syncs with the host in forward
 (`research_lm.cuda_graphs.uncapturable_reason`; the runner checks only the target), and the entry is
 captured with q = 1 only where an attention backend lacks `cuda_graphs_multi_token`. The attention launch
@@ -47,7 +55,9 @@ import numpy as np
 import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
+from research_lm import rng
 from research_lm.cuda_graphs import Capture
+from research_lm.sampler import apply_temperature, random_sample
 
 # (ids [T], positions [T], metadata, features or carry [T, F] | None) -> (out for the logits [T, H], carry | None)
 DraftForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],
@@ -68,13 +78,25 @@ class _Layout:
     def token(self, i: int) -> slice:  # 0 ids, 1 positions, 2 request rows, 3 feature rows
         return slice(i * self.t, (i + 1) * self.t)
 
-    def request(self, i: int) -> slice:  # 0 query_start_loc (B + 1), 1 seq_lens, 2 last rows, 3 budgets, 4 rows
+    def request(self, i: int) -> slice:
+        """0 query_start_loc (B + 1), 1 seq_lens, 2 last rows, 3 budgets, 4 block-table rows, 5 seeds,
+        6 output positions of draft 1, 7 greedy flags."""
         start = 4 * self.t + (i > 0) * (self.b + 1) + max(i - 1, 0) * self.b
         return slice(start, start + (self.b + 1 if i == 0 else self.b))
 
     @property
     def size(self) -> int:
-        return 4 * self.t + 5 * self.b + 1
+        return 4 * self.t + 8 * self.b + 1
+
+
+@dataclass
+class DraftSampling:
+    """Per request row of a "sample" step: temperature, greedy flag, seed, output position of draft 1."""
+
+    temperature: list[float]
+    greedy: list[bool]
+    seeds: list[int]
+    positions: list[int]
 
 
 class DraftGraphs:
@@ -114,14 +136,17 @@ class DraftGraphs:
         self.slot_mapping = torch.full((a,), -1, **i64)
         self.request_rows = torch.full((a,), -1, **i32)  # stays -1: only state layers read it, drafters have none
         self.drafts = torch.zeros(a, self.k, **i64)
-        self._replay: dict[int, Callable[[], Any]] = {}
+        self.temperature = torch.ones(a, dtype=torch.float32, device=device)
+        self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
+        self._replay: dict[tuple[int, bool], Callable[[], Any]] = {}  # (size, sampled) -> replay
         self._entry, self._step, self._logits = entry, step, logits
         self._backends = {layer.backend.name: layer.backend for layer in layers}
         self._max_seq_len = max_seq_len
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            self._fill_for_capture(_Layout(size, q))
-            self._replay[size] = capture(self._draft_fn(_Layout(size, q)), pool)
+            for sampled in (False, True):
+                self._fill_for_capture(_Layout(size, q))
+                self._replay[size, sampled] = capture(self._draft_fn(_Layout(size, q), sampled), pool)
 
     def _record(self, qsl, seq_lens, slots, num_reqs: int, num_tokens: int, max_query_len: int) -> dict[str, Any]:
         """Each backend's metadata over these buffers, built once at capture."""
@@ -134,24 +159,28 @@ class DraftGraphs:
         return {name: b.build_metadata(common) for name, b in self._backends.items()}
 
     def _fill_for_capture(self, lay: _Layout) -> None:
-        """B requests of q rows at positions 0 .. q-1, writing no KV (request row -1), budget 0."""
+        """B greedy requests of q rows at positions 0 .. q-1, writing no KV (request row -1), budget 0."""
         host = torch.zeros(lay.size, dtype=torch.int64)
         host[lay.token(1)] = torch.arange(lay.q).repeat(lay.b)
         host[lay.token(2)] = -1
         host[lay.request(0)] = torch.arange(0, lay.t + 1, lay.q)
         host[lay.request(1)] = lay.q
         host[lay.request(2)] = torch.arange(lay.q - 1, lay.t, lay.q)
+        host[lay.request(7)] = 1
         self.staging[: lay.size].copy_(host)
+        self.temperature.fill_(1.0)
         self.entry_qsl[: lay.b + 1].copy_(host[lay.request(0)])
         self.entry_seq_lens[: lay.b].copy_(host[lay.request(1)])
         self.query_start_loc[: lay.b + 1].copy_(torch.arange(lay.b + 1))
         self.seq_lens[: lay.b].fill_(1)
 
-    def _draft_fn(self, lay: _Layout) -> Callable[[], None]:
-        b, t, bs = lay.b, lay.t, self.block_size
+    def _draft_fn(self, lay: _Layout, sampled: bool) -> Callable[[], None]:
+        b, t, bs, vocab = lay.b, lay.t, self.block_size, self.vocab_size
         st = self.staging
         ids_in, pos_in, req_in = st[lay.token(0)], st[lay.token(1)], st[lay.token(2)]
         qsl_in, seq_lens_in, last, budget = (st[lay.request(i)] for i in range(4))
+        seeds, out_pos, greedy_in = (st[lay.request(i)] for i in (5, 6, 7))
+        temperature, probs = self.temperature[:b], self.probs[:b]
         entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
         features = None if self.features is None else self.features[:t]
         entry_md = self._record(entry_qsl, entry_seq_lens, entry_slots, b, t, lay.q)
@@ -166,13 +195,24 @@ class DraftGraphs:
             block = block_table[rows, (pos // bs).clamp(max=last_block)]
             return torch.where(writes, block.long() * bs + pos % bs, -1)
 
+        def pick(logits: torch.Tensor, j: int) -> None:  # logits [b, >= vocab] -> drafts[:, j] (and probs[:, j])
+            x = logits[:, :vocab]
+            if not sampled:
+                torch.argmax(x, dim=-1, out=drafts[:, j])
+                return
+            x = apply_temperature(x.float(), temperature)  # as `pick_tokens`: T is 1 on greedy rows
+            one_hot = torch.zeros_like(x).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+            q = torch.where((greedy_in != 0)[:, None], one_hot, x.softmax(dim=-1))
+            probs[:, j].copy_(q)
+            drafts[:, j].copy_(random_sample(q, seeds, out_pos + j, rng.DRAFT))  # one-hot rows race to their argmax
+
         @torch.inference_mode()
         def draft() -> None:
             entry_qsl.copy_(qsl_in)
             entry_seq_lens.copy_(seq_lens_in)
             entry_slots.copy_(slot_of(req_in.clamp(min=0), pos_in, req_in >= 0))
             out, nxt = self._entry(ids_in, pos_in, entry_md, features)
-            torch.argmax(self._logits(out[last])[:, : self.vocab_size], dim=-1, out=drafts[:, 0])
+            pick(self._logits(out[last]), 0)
             if self.k == 1:
                 return
             real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
@@ -188,7 +228,7 @@ class DraftGraphs:
                 seq_lens.copy_(torch.where(real, positions + 1, 0))
                 slots.copy_(slot_of(rows, positions, feeds))
                 out, nxt = self._step(ids, torch.where(feeds, positions, 0), chain_md, carry)
-                torch.argmax(self._logits(out)[:, : self.vocab_size], dim=-1, out=drafts[:, j])
+                pick(self._logits(out), j)
                 ids.copy_(drafts[:, j])
                 positions.add_(1)
                 if carry is not None:
@@ -215,7 +255,8 @@ class DraftGraphs:
         budgets: Sequence[int],  # [n] drafts it wants (0: none; its entry rows still write the drafter's KV)
         features: Callable[[torch.Tensor], torch.Tensor] | None = None,  # feature rows [T] (device) -> [T, F]
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
-    ) -> list[list[int]]:  # per request, drafts 1 .. budget
+        sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
+    ) -> tuple[list[list[int]], torch.Tensor | None]:  # per request drafts 1 .. budget; "sample": q [n, k, V]
         n, num_tokens = len(lens), len(tokens)
         size = self.padded_size(n)
         assert size is not None and max(lens) <= self.query_len and (features is None) == (self.features is None)
@@ -238,11 +279,20 @@ class DraftGraphs:
         request(2)[:n] = ends - 1
         request(3)[:n] = budgets
         request(4)[:n] = rows
+        request(7)[:] = 1  # padding rows are greedy
+        if sampling is not None:
+            request(5)[:n] = [rng.int64_bits(s) for s in sampling.seeds]
+            request(6)[:n] = sampling.positions
+            request(7)[:n] = sampling.greedy
+            temperature = np.ones(size, dtype=np.float32)
+            temperature[:n] = sampling.temperature
+            self.temperature[:size].copy_(torch.from_numpy(temperature))
         staged = self.staging[: lay.size]
         staged.copy_(torch.from_numpy(host))
         cols = min(block_table.shape[1], self.block_table.shape[1])
         self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
         if features is not None:
             self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
-        self._replay[size]()
-        return [row[:b] for row, b in zip(self.drafts[:n].tolist(), budgets, strict=True)]
+        self._replay[size, sampling is not None]()
+        probs = None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
+        return [row[:b] for row, b in zip(self.drafts[:n].tolist(), budgets, strict=True)], probs

@@ -96,11 +96,14 @@ class DraftModelProposer:
             self._fed[req.request_id] = (max(valid, end), [])
         if not batch_rows:
             return drafting.proposal(reqs)
-        if self.graphs is not None and self.graphs.serves(lens) and drafting.argmax_only(self.vocab_size):
+        rule = drafting.pick_rule(self.vocab_size) if self.graphs is not None and self.graphs.serves(lens) else None
+        if rule is not None:
             budget = dict(zip(drafting.index, drafting.budget, strict=True))
-            drafts = self.graphs.run(outcome.common.block_table, batch_rows, tokens, starts, lens,
-                                     [budget.get(i, 0) for i in batch_rows])
-            drafting.take(batch_rows, drafts)
+            drafts, probs = self.graphs.run(
+                outcome.common.block_table, batch_rows, tokens, starts, lens, [budget.get(i, 0) for i in batch_rows],
+                sampling=drafting.sampling(batch_rows) if rule == "sample" else None,
+            )
+            drafting.take(batch_rows, drafts, probs)
         else:
             positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
             hidden = self._forward(tokens, positions, md)

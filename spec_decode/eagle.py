@@ -264,13 +264,15 @@ class EagleProposer:
             lens.append(count)
             tokens += token_span(req, e, c + 1, c + 1 + count)
             feature_rows += range(qsl[i], qsl[i] + count)
-        if self.graphs is not None and self.graphs.serves(lens) and drafting.argmax_only(self.vocab_size):
+        rule = drafting.pick_rule(self.vocab_size) if self.graphs is not None and self.graphs.serves(lens) else None
+        if rule is not None:
             budget = dict(zip(drafting.index, drafting.budget, strict=True))
-            drafts = self.graphs.run(
+            drafts, probs = self.graphs.run(
                 outcome.common.block_table, batch_rows, tokens, starts, lens, [budget.get(i, 0) for i in batch_rows],
                 features=lambda rows: self._target_features(outcome, rows), feature_rows=feature_rows,
+                sampling=drafting.sampling(batch_rows) if rule == "sample" else None,
             )
-            drafting.take(batch_rows, drafts)
+            drafting.take(batch_rows, drafts, probs)
             return drafting.proposal(reqs)
         device = outcome.common.block_table.device
         positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)

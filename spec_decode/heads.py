@@ -31,6 +31,7 @@ from research_lm.models.loader import checkpoint_files, iter_checkpoint, resolve
 from research_lm.request import Request
 from research_lm.sampler import SamplingBatch, SamplingRow, probs_from_processed, process_logits, random_sample
 from research_lm.spec import Proposal
+from spec_decode.draft_graphs import DraftSampling
 
 # ---------------------------------------------------------------------------------------------------
 # Checkpoint reading
@@ -169,7 +170,7 @@ class Drafting:
     budget: list[int]  # drafts each request wants
     need_probs: bool  # some request samples: keep q for every drafted token
     tokens: list[list[int]] = field(default_factory=list)
-    probs: list[list[torch.Tensor]] = field(default_factory=list)
+    probs: list[list[torch.Tensor] | torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = [[] for _ in self.index]
@@ -212,26 +213,49 @@ class Drafting:
             )
             drafted = self.add(active, logits, vocab_size)
 
-    def argmax_only(self, vocab_size: int) -> bool:
-        """Would every draft be the raw argmax (greedy, no penalty or min_tokens ban, no q kept)? A ban only
-        shrinks as the position grows, so what holds at draft 1 holds for the rest of the chain. Logprobs
-        do not matter: drafts never return them (`pick_tokens` ignores them too)."""
+    def pick_rule(self, vocab_size: int) -> str | None:
+        """How `pick_tokens` picks every draft of this step, where one rule that a draft graph replays serves
+        all drafting requests: "argmax" (all greedy, no penalty or min_tokens ban), "sample" (some request
+        samples, with a temperature and nothing else: no penalty, ban, top-k, top-p or min-p), else None.
+        A ban only shrinks as the position grows, so what holds at draft 1 holds for the rest of the chain.
+        Logprobs do not matter: drafts never return them (`pick_tokens` ignores them too)."""
         rows = [SamplingRow(r, o + t) for r, o, t in zip(self.requests, self.outputs, self.tokens, strict=True)]
         batch = SamplingBatch.build(rows, vocab_size)
-        return not self.need_probs and batch.all_greedy and batch.no_penalties and batch.banned_rows is None
+        if not batch.no_penalties or batch.banned_rows is not None:
+            return None
+        if batch.all_greedy:
+            return "argmax"
+        return "sample" if batch.no_top_k and batch.no_top_p and batch.no_min_p else None
 
-    def take(self, rows: Sequence[int], drafts: Sequence[list[int]]) -> None:
-        """Drafts from a graph replay: drafts[r] belongs to the request at step row rows[r]."""
-        by_row = dict(zip(rows, drafts, strict=True))
-        self.tokens = [by_row[i] for i in self.index]
+    def sampling(self, rows: Sequence[int]) -> DraftSampling:
+        """What a "sample" draft graph needs of the requests at these step rows (neutral where one does not draft)."""
+        at = {i: a for a, i in enumerate(self.index)}
+        out = DraftSampling([], [], [], [])
+        for i in rows:
+            a = at.get(i)
+            sp = None if a is None else self.requests[a].sampling_params
+            greedy = sp is None or sp.greedy
+            out.temperature.append(1.0 if greedy else sp.temperature)
+            out.greedy.append(greedy)
+            out.seeds.append(0 if a is None else self.requests[a].seed)
+            out.positions.append(0 if a is None else len(self.outputs[a]))
+        return out
+
+    def take(self, rows: Sequence[int], drafts: Sequence[list[int]], probs: torch.Tensor | None = None) -> None:
+        """Drafts from a graph replay: drafts[r] (and q = probs[r, :len(drafts[r])], [k, V]) belong to the
+        request at step row rows[r]."""
+        by_row = {i: r for r, i in enumerate(rows)}
+        self.tokens = [drafts[by_row[i]] for i in self.index]
+        if probs is not None:
+            self.probs = [probs[by_row[i], : len(t)] for i, t in zip(self.index, self.tokens, strict=True)]
 
     def proposal(self, all_requests: Sequence[Request]) -> Proposal:
         token_ids = {r.request_id: [] for r in all_requests}
         probs = {}
         for req, toks, ps in zip(self.requests, self.tokens, self.probs, strict=True):
             token_ids[req.request_id] = toks
-            if ps:
-                probs[req.request_id] = torch.stack(ps)  # [num_drafts, vocab]
+            if len(ps):  # a list of [vocab] rows (eager), or [num_drafts, vocab] from a graph
+                probs[req.request_id] = ps if isinstance(ps, torch.Tensor) else torch.stack(ps)
         return Proposal(token_ids, probs)
 
 

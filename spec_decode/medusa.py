@@ -98,7 +98,7 @@ class MedusaProposer:
         ]
         hidden = outcome.hidden_states[torch.tensor(rows, dtype=torch.int64, device=outcome.hidden_states.device)]
         logits = self.heads(hidden)  # [R, num_heads, V]
-        if drafting.argmax_only(self.vocab_size):  # every draft is a raw argmax: one pass, one copy to the host
+        if drafting.pick_rule(self.vocab_size) == "argmax":  # every draft a raw argmax: one pass, one copy
             top = logits[:, : self.num_speculative_tokens, : self.vocab_size].argmax(dim=-1).tolist()
             drafting.take(drafting.index, [t[:b] for t, b in zip(top, drafting.budget, strict=True)])
             return drafting.proposal(reqs)

@@ -10,6 +10,7 @@ equal plain decoding's.
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -47,24 +48,39 @@ def _spec(kind: str, tmp_path, checkpoint) -> dict:
     return {"method": "draft_model", "model": str(draft)}
 
 
-def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, list[int]]], list[tuple[int, int, int]]]:
-    """Tokens, every step's proposal, and per graph replay (requests, requests that drafted, longest entry)."""
+class Replay(NamedTuple):
+    requests: int  # rows the graph ran
+    drafting: int  # of which drafted
+    longest_entry: int  # entry rows of the longest request
+    sampled: bool  # the "sample" rule (else "argmax")
+
+
+def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, list[int]]], list[Replay]]:
+    """Tokens, every step's proposal (drafts, and q where kept), and the graph replays."""
     proposer, proposals, replays = llm.engine.runner.proposer, [], []
     propose, graphs = proposer.propose, getattr(proposer, "graphs", None)
 
     def spy(outcome):
         proposal = propose(outcome)
-        proposals.append(proposal.token_ids)
+        proposals.append((proposal.token_ids, {r: q.cpu() for r, q in proposal.probs.items()}))
         return proposal
 
     proposer.propose = spy
     if graphs is not None:
         def counting_run(block_table, rows, tokens, starts, lens, budgets, **kwargs):
-            replays.append((len(rows), sum(b > 0 for b in budgets), max(lens)))
+            sampled = kwargs.get("sampling") is not None
+            replays.append(Replay(len(rows), sum(b > 0 for b in budgets), max(lens), sampled))
             return DraftGraphs.run(graphs, block_table, rows, tokens, starts, lens, budgets, **kwargs)
         graphs.run = counting_run
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], proposals, replays
+
+
+def _same_proposals(got, want) -> bool:
+    """Drafts equal, and q equal to float32 rounding (graph and eager reduce over different row counts)."""
+    return len(got) == len(want) and all(
+        g[0] == w[0] and g[1].keys() == w[1].keys() and all(torch.allclose(g[1][r], w[1][r], atol=1e-6) for r in g[1])
+        for g, w in zip(got, want))
 
 
 def _pair(path: str, spec: dict, device: str, capture, **knobs) -> tuple[LLM, LLM]:
@@ -88,11 +104,11 @@ def test_graph_chain_drafts_what_the_eager_chain_drafts(kind, tiny_checkpoint, t
     got, proposals, replays = _run(llm, prompts, _greedy())
     assert got == want == [o.outputs[0].token_ids for o in LLM(str(checkpoint), device="cpu", **KNOBS).generate(
         prompts, _greedy(), use_tqdm=False)]
-    assert proposals == want_proposals
-    drafted = [d for _, d, _ in replays]
+    assert _same_proposals(proposals, want_proposals)
+    drafted = [r.drafting for r in replays]
     assert 3 in drafted and 1 in drafted  # padded (3 -> 4) and single-request replays both ran
     assert len(replays) < len(proposals)  # the prompt chunks (entries longer than k + 1 rows) drafted eagerly
-    assert any(len(d) < K for p in proposals for d in p.values() if d)  # budgets below k were cut
+    assert any(len(d) < K for p, _ in proposals for d in p.values() if d)  # budgets below k were cut
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
@@ -106,21 +122,43 @@ def test_prompt_chunks_of_at_most_k_plus_1_tokens_draft_from_the_graph(kind, tin
     prompts, params = _prompts()[1:], _greedy()[1:]
     want, want_proposals, _ = _run(eager, prompts, params)
     got, proposals, replays = _run(llm, prompts, params)
-    assert (got, proposals) == (want, want_proposals)
-    assert max(e for _, _, e in replays) == K + 1
+    assert got == want and _same_proposals(proposals, want_proposals)
+    assert max(r.longest_entry for r in replays) == K + 1
+
+
+def _sampled_params() -> list[SamplingParams]:
+    params = _greedy()
+    params[1] = SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True, seed=3)
+    params[2] = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2**64 - 5)  # past int64
+    return params
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
-def test_sampled_drafting_keeps_the_eager_chain(tiny_checkpoint, tmp_path):
-    """A request that samples needs q and its own noise: the step drafts eagerly, with the same outputs."""
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+def test_sampled_drafting_replays_the_sample_graph(kind, tiny_checkpoint, tmp_path):
+    """Requests that sample with a temperature (beside a greedy one) draft from the "sample" graph: the same
+    drafts (seeded noise at each output position) and the same q as the eager chain, so the same outputs."""
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
+    want, want_proposals, _ = _run(eager, _prompts(), _sampled_params())
+    got, proposals, replays = _run(llm, _prompts(), _sampled_params())
+    assert got == want and _same_proposals(proposals, want_proposals)
+    assert any(r.sampled and r.drafting == 3 for r in replays)
+    assert any(q for _, q in proposals)  # q was kept and compared
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+def test_top_p_drafting_keeps_the_eager_chain(tiny_checkpoint, tmp_path):
+    """top-p (like top-k, min-p and penalties) is not in the graphs: a step where such a request drafts runs
+    eagerly, with the same outputs."""
     checkpoint = tiny_checkpoint("llama")
     eager, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), "cpu", eager_capture)
     params = _greedy()
-    params[1] = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=3)
+    params[1] = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=7, ignore_eos=True, seed=3)
     want, want_proposals, _ = _run(eager, _prompts()[:2], params[:2])
     got, proposals, replays = _run(llm, _prompts()[:2], params[:2])
-    assert (got, proposals) == (want, want_proposals)
-    assert max(d for _, d, _ in replays) == 1  # only steps where request 1 (sampling) does not draft
+    assert got == want and _same_proposals(proposals, want_proposals)
+    assert max(r.drafting for r in replays) == 1 and not any(r.sampled for r in replays)  # never request 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
@@ -131,22 +169,23 @@ def test_greedy_requests_asking_for_logprobs_still_draft_from_the_graph(tiny_che
     params = [SamplingParams(**(vars(p) | dict(logprobs=2))) for p in _greedy()]
     want, want_proposals, _ = _run(eager, _prompts(), params)
     got, proposals, replays = _run(llm, _prompts(), params)
-    assert (got, proposals) == (want, want_proposals)
-    assert any(d == 3 for _, d, _ in replays)
+    assert got == want and _same_proposals(proposals, want_proposals)
+    assert any(r.drafting == 3 for r in replays)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
-def test_graph_chain_matches_eager_on_cuda(kind, tiny_checkpoint, tmp_path):
+def test_graph_chain_matches_eager_on_cuda(kind, sampled, tiny_checkpoint, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     checkpoint = tiny_checkpoint("llama")
     eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cuda", cuda_graph_capture)
-    prompts = _prompts()
-    want, want_proposals, _ = _run(eager, prompts, _greedy())
-    got, proposals, replays = _run(llm, prompts, _greedy())
-    assert got == want and proposals == want_proposals
-    assert any(d == 3 for _, d, _ in replays)
+    prompts, params = _prompts(), _sampled_params if sampled else _greedy
+    want, want_proposals, _ = _run(eager, prompts, params())
+    got, proposals, replays = _run(llm, prompts, params())
+    assert got == want and _same_proposals(proposals, want_proposals)
+    assert any(r.drafting == 3 and r.sampled == sampled for r in replays)
 
 
 def test_a_drafter_that_syncs_in_forward_is_not_captured(tiny_checkpoint):
