@@ -2,12 +2,15 @@
 # GPU checks to repeat after a change to the runner, in one-H200 device calls (each block fits 10 minutes). From
 # the repository root (or a `git archive HEAD` copy of it), with hydra/omegaconf/flashinfer wheels installed and
 # RESEARCH_LM_COMMIT / BENCH_COMMIT set to the commit.
-#   bash experiments/gpu_pending.sh tests | match
+#   bash experiments/gpu_pending.sh tests | match | t1
 # Session 4 (2026-11-25) ran both at 6e6bc1b / 89ff565, and the tables bench_decode, bench_throughput,
 # bench_decode_8b and attention_ablation_h200 (parts over two calls, --print-commands / --from-sweep), and the
 # attention_ablation preset at GPU size (113 s). Still never run on a GPU: the fa2 variant of mla_flashinfer.
 # Session 5 ran `tests/spec_decode/test_draft_graphs.py -m gpu` at b47efbf (the whole-step draft graphs) and
-# spec_ablation_h200 on one H200. CPU-tested only since: Medusa's one-pass greedy drafts.
+# spec_ablation_h200 on one H200. Session 6 ran `pytest -m gpu tests/spec_decode tests/engine` at 082b9f0 (sampled
+# draft graphs) on an H100, and spec_t1_graphs_h100 (PERFORMANCE.md, sixth pass). CPU-tested only since: Medusa's one-pass greedy drafts, the
+# numpy-keyed rejection sampler (run `t1` and compare its verify ms with spec_t1_graphs_h100.json on the same card kind,
+# or run 082b9f0 from `git archive` in the same call).
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
@@ -20,5 +23,13 @@ case ${1:-tests} in
       model.name=outputs/reference/target model.dtype=float32,bfloat16 spec=ngram spec.num_speculative_tokens=3 \
       runner.max_num_seqs=8 workload.num_requests=8 workload.max_tokens=48 runner.num_gpu_blocks=4096 seed=0 \
       hydra.sweep.dir=multirun/match && grep -h outputs_match_baseline multirun/match/*/results.json ;;
+  t1)  # temperature-1 spec steps on the built-in tiny pair at batch 1, k = 5 (spec_t1_graphs_h100.json's command)
+    for method in eagle3 draft_model; do
+      python -m research_lm -m experiment=$method gpu=null device=cuda attention=triton logger=jsonl runner.max_num_seqs=1 \
+        spec.num_speculative_tokens=5 workload.num_requests=8 workload.max_tokens=48 workload.temperature=1.0 seed=0,1,2 \
+        hydra.sweep.dir=multirun/t1_$method
+      grep -hE '"(draft_ms_per_step_median|verify_ms_per_step_median|mean_acceptance_length|speedup|tpot_ratio)"' \
+        multirun/t1_$method/*/results.json
+    done ;;
   *) echo "unknown block $1" >&2; exit 2 ;;
 esac

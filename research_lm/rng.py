@@ -13,7 +13,7 @@ a bijection of 64-bit words with full avalanche; `bits` is exactly the SplitMix6
 with `key`, a generator that passes BigCrush. Keys are themselves hashed, so two rows' sequences
 overlap only if their keys differ by d * GAMMA with |d| < n (probability ~ 2n / 2^64 per pair).
 
-A whole [rows, n] block costs about 20 elementwise device ops (and ~15 tiny host ops hashing the
+A whole [rows, n] block costs about 20 elementwise device ops (and a few numpy ops hashing the
 [rows] keys), whatever the number of rows; the per-row torch.Generators this replaces cost a
 Python iteration and a kernel launch per row.
 The words are int64: multiplication wraps modulo 2^64 (two's complement) and a logical right shift
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 _U64 = (1 << 64) - 1
@@ -112,9 +113,12 @@ def _int64(values: Sequence[int] | torch.Tensor) -> torch.Tensor:  # [R] int64, 
 def row_keys(
     seeds: Sequence[int] | torch.Tensor,  # [R]
     positions: Sequence[int] | torch.Tensor,  # [R]
-    stream: int | torch.Tensor,  # or [R] int64, a stream per row
+    stream: int | Sequence[int] | torch.Tensor,  # or [R], a stream per row
 ) -> torch.Tensor:  # [R] int64: fmix64(seed * A + position * B + stream * C)
-    """Each row's SplitMix64 seed; hashed where the inputs live (lists: on the host)."""
+    """Each row's SplitMix64 seed, hashed where the inputs live: with no tensor among them, on the host
+    (`host_keys`, a few numpy ops instead of a dozen tiny torch ones); else on the tensors' device."""
+    if not any(isinstance(x, torch.Tensor) for x in (seeds, positions, stream)):
+        return torch.from_numpy(host_keys(seeds, positions, stream).view(np.int64))
     s, p = _int64(seeds), _int64(positions)
     assert s.shape == p.shape and s.dim() == 1, (s.shape, p.shape)
     if s.device != p.device:  # mixed: hash on the accelerator side
@@ -122,22 +126,58 @@ def row_keys(
         s, p = to_device(s, torch.int64, dev), to_device(p, torch.int64, dev)
     key = s * int64_bits(_A)
     key.add_(p, alpha=int64_bits(_B))
-    if isinstance(stream, torch.Tensor):
-        key.add_(to_device(stream, torch.int64, key.device), alpha=int64_bits(_C))
-    else:
+    if isinstance(stream, int):
         key.add_(int64_bits(stream * _C))
+    else:
+        key.add_(to_device(stream, torch.int64, key.device), alpha=int64_bits(_C))
     return _fmix64_(key)
+
+
+def _uint64(values: int | Sequence[int] | np.ndarray) -> np.ndarray:  # the same bits mod 2^64
+    try:
+        return np.asarray(values, dtype=np.int64).view(np.uint64)
+    except OverflowError:  # a seed outside int64
+        return (np.asarray(values, dtype=object) & _U64).astype(np.uint64)
+
+
+def _fmix64_np(x: np.ndarray) -> np.ndarray:  # uint64: numpy wraps and shifts logically, as `_fmix64_py`
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(_M1)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(_M2)
+    return x ^ (x >> np.uint64(31))
+
+
+def host_keys(
+    seeds: Sequence[int] | np.ndarray,  # [R]
+    positions: Sequence[int] | np.ndarray,  # [R] (broadcasts against seeds)
+    stream: int | Sequence[int] | np.ndarray,  # or [R]
+) -> np.ndarray:  # uint64, the broadcast shape: `row_keys` on the host
+    with np.errstate(over="ignore"):
+        key = _uint64(seeds) * np.uint64(_A) + _uint64(positions) * np.uint64(_B) + _uint64(stream) * np.uint64(_C)
+        return _fmix64_np(key)
+
+
+def host_uniform(keys: np.ndarray) -> np.ndarray:  # uint64 keys -> float32: column 0 of `uniform_rows`
+    """`uniform_rows(..., n=1)` of the rows whose `row_keys` are keys, on the host (bit-identical: the
+    float32 steps are exact)."""
+    with np.errstate(over="ignore"):
+        z = _fmix64_np(keys + np.uint64(_GAMMA)).view(np.int64) >> 41  # arithmetic, as `uniform_rows`
+    return (z.astype(np.float32) + np.float32(2**22 + 0.5)) * np.float32(2.0**-23)
+
+
+def words(keys: torch.Tensor, n: int) -> torch.Tensor:  # [R] int64 -> [R, n] int64
+    """SplitMix64 outputs 1..n of each row's key (`row_keys`), where keys live."""
+    cols = torch.arange(1, n + 1, dtype=torch.int64, device=keys.device)  # [n]
+    z = torch.add(keys[:, None], cols[None, :], alpha=int64_bits(_GAMMA))  # key + (col + 1) * GAMMA
+    return _fmix64_(z)
 
 
 def _bits(
     seeds: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor, stream: int | torch.Tensor,
     n: int, device: torch.device | str,
 ) -> torch.Tensor:  # [R, n] int64: SplitMix64 outputs 1..n of each row's key
-    device = torch.device(device)
-    keys = to_device(row_keys(seeds, positions, stream), torch.int64, device)  # [R]
-    cols = torch.arange(1, n + 1, dtype=torch.int64, device=device)  # [n]
-    z = torch.add(keys[:, None], cols[None, :], alpha=int64_bits(_GAMMA))  # key + (col + 1) * GAMMA
-    return _fmix64_(z)
+    return words(to_device(row_keys(seeds, positions, stream), torch.int64, device), n)
 
 
 def uniform_rows(
@@ -160,12 +200,17 @@ def exponential_rows(
     n: int,
     device: torch.device | str,
 ) -> torch.Tensor:  # [R, n] float32, Exp(1), in [1e-16, 36.8]; argmax(p / q) samples from p
+    """`exponential_from_keys` of the rows' `row_keys`."""
+    return exponential_from_keys(to_device(row_keys(seeds, positions, stream), torch.int64, device), n)
+
+
+def exponential_from_keys(keys: torch.Tensor, n: int) -> torch.Tensor:  # [R] int64 -> [R, n] float32
     """-log(u) with u = (k + 1/2) / 2^52 from the top 52 bits, in float64.
 
     float64 keeps small variates exact: in the exponential race a token of probability p wins with
     q ~ p, and a 24-bit u would resolve q only to 6e-8, under-sampling tokens with p below ~1e-7.
     """
-    z = _bits(seeds, positions, stream, n, device)
+    z = words(keys, n)
     z >>= 12  # arithmetic: a uniform integer in [-2^51, 2^51)
     u = z.to(torch.float64).mul_(2.0**-52).add_(0.5 + 2.0**-53)  # exact: (2k + 1) / 2^53 < 1
     return u.log_().neg_().to(torch.float32)

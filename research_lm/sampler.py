@@ -53,6 +53,7 @@ __all__ = [
     "logprobs_to_dicts",
     "probs_from_processed",
     "process_logits",
+    "race",
     "random_sample",
     "sample_tokens",
 ]
@@ -446,16 +447,26 @@ def random_sample(
 
     q comes from (seed, position, stream) alone, so each row's draw is batch-independent.
     q >= 1e-16 (`rng.exponential_rows`), so p / q is finite and masked tokens (p = 0) stay at 0.
+    """
+    return race(probs, rng.row_keys(seeds, positions, stream))
+
+
+def race(
+    probs: torch.Tensor,  # [N, V] float32, non-negative weights
+    keys: torch.Tensor,  # [N] int64, each row's `rng.row_keys` (host or probs' device)
+) -> torch.Tensor:  # [N] int64
+    """`random_sample` of rows whose noise keys are already hashed.
+
     On CUDA one Triton kernel (`research_lm.ops.exponential_race`) hashes the noise in registers and races
     in place, with the same tokens; elsewhere (and under torch.compile) this torch code is the reference.
     """
+    keys = rng.to_device(keys, torch.int64, probs.device)
     if (probs.device.type in ops.FUSED_DEVICE_TYPES and probs.dtype == torch.float32 and probs.dim() == 2
             and probs.shape[-1] > 0 and not torch.compiler.is_compiling()):
         from research_lm.ops.exponential_race import exponential_race
 
-        keys = rng.to_device(rng.row_keys(seeds, positions, stream), torch.int64, probs.device)  # [N]
         return exponential_race(probs if probs.stride(-1) == 1 else probs.contiguous(), keys)
-    q = rng.exponential_rows(seeds, positions, stream, probs.shape[-1], probs.device)  # [N, V]
+    q = rng.exponential_from_keys(keys, probs.shape[-1])  # [N, V]
     return torch.div(probs, q, out=q).argmax(dim=-1)
 
 

@@ -24,12 +24,11 @@ Output follows vLLM: `[num_reqs, k_max + 1]` int64, emitted tokens left-aligned,
 
 from __future__ import annotations
 
-from itertools import accumulate
-
+import numpy as np
 import torch
 
 from research_lm import rng
-from research_lm.sampler import random_sample
+from research_lm.sampler import race
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -45,86 +44,91 @@ def rejection_sample(
     """Verify every request's drafts in one batched pass; see the module docstring for the rule.
 
     Greedy rows only need `target_probs` to be argmax-preserving (one-hot or the processed
-    distribution); `draft_probs` rows of greedy requests are ignored. Host lists (draft layout,
-    seeds, positions) reach the device through pinned non-blocking copies and all the work runs
-    there: the caller's `.tolist()` of the result is the only host-device sync.
+    distribution); `draft_probs` rows of greedy requests are ignored. Everything that depends only on
+    the host lists (the row layout, the acceptance uniforms, the noise keys of every possible final
+    token) is computed with numpy and reaches the device in two pinned non-blocking copies; the device
+    work is ~30 batched kernels whatever the batch, and the caller's `.tolist()` of the result is the
+    only host-device sync.
     """
     device = target_probs.device
     num_reqs = len(draft_token_ids)
-    num_drafts = [len(d) for d in draft_token_ids]
-    k_max = max(num_drafts, default=0)
-    total_drafts = sum(num_drafts)
-    greedy_host = greedy.tolist() if isinstance(greedy, torch.Tensor) else list(greedy)
+    greedy_host = np.asarray(greedy.tolist() if isinstance(greedy, torch.Tensor) else greedy, dtype=bool)
+    num_drafts = np.asarray([len(d) for d in draft_token_ids], dtype=np.int64)
+    k_max, total_drafts = int(num_drafts.max(initial=0)), int(num_drafts.sum())
     assert len(seeds) == len(positions) == len(greedy_host) == num_reqs
     assert target_probs.shape[0] == total_drafts + num_reqs, "need k_i + 1 target rows per request"
     assert draft_probs is None or draft_probs.shape == (total_drafts, target_probs.shape[-1])
+    any_random, any_greedy = not greedy_host.all(), bool(greedy_host.any())
 
-    # Layout, built on the host and uploaded at once: request i's draft rows start at cu_draft[i],
-    # its target rows at cu_target[i] = cu_draft[i] + i; drafts padded to [num_reqs, k_max].
-    cu_draft = list(accumulate(num_drafts, initial=0))[:-1]
-    cu_target = [c + i for i, c in enumerate(cu_draft)]
-    padded = [t for d in draft_token_ids for t in (*d, *[0] * (k_max - len(d)))]
-    k, cu_draft_t, cu_target_t, drafts = rng.to_device(
-        num_drafts + cu_draft + cu_target + padded, torch.int64, device
-    ).split([num_reqs, num_reqs, num_reqs, num_reqs * k_max])
-    drafts = drafts.view(num_reqs, k_max)
-    slot = torch.arange(k_max, device=device)  # [k_max]
-    valid = slot[None, :] < k[:, None]  # [num_reqs, k_max]: real draft slots
-    # Target row of each slot (padding slots clamped into range; they are masked by `valid`).
-    target_rows = (cu_target_t[:, None] + slot[None, :]).clamp_(max=max(target_probs.shape[0] - 1, 0))
+    # --- Host: request i's draft rows start at cu_draft[i], its target rows at cu_target[i] = cu_draft[i] + i;
+    # slot j < k_i of request i is draft j (padding slots point at row 0 and are masked by `valid`). ---
+    cu_draft = np.cumsum(num_drafts) - num_drafts
+    cu_target = cu_draft + np.arange(num_reqs)
+    slot = np.arange(k_max)
+    valid = slot[None, :] < num_drafts[:, None]  # [num_reqs, k_max]
+    drafts = np.zeros((num_reqs, k_max), dtype=np.int64)
+    drafts[valid] = [t for d in draft_token_ids for t in d]
+    target_rows = np.where(valid, cu_target[:, None] + slot, 0)
+    draft_rows = np.where(valid, cu_draft[:, None] + slot, 0)
+    # Noise keys of every final token request i might emit, one per n_acc in 0 .. k_max: a recovery draws from
+    # the RECOVER stream at position + n_acc, the bonus (n_acc = k_i) from the plain sampler's SAMPLE stream,
+    # so a zero-draft request gets exactly the token it would sample without speculation.
+    seeds_col, pos = np.asarray(seeds, dtype=object)[:, None], np.asarray(positions, dtype=np.int64)[:, None]
+    n_acc_all = np.arange(k_max + 1)[None, :]
+    final_keys = rng.host_keys(seeds_col, pos + n_acc_all, np.where(n_acc_all == num_drafts[:, None], rng.SAMPLE,
+                                                                     rng.RECOVER))  # [num_reqs, k_max + 1]
+    # u < p(x)/q(x) has probability min(1, p(x)/q(x)): one uniform per slot, ACCEPT stream at position + j.
+    u = rng.host_uniform(rng.host_keys(seeds_col, pos + slot, rng.ACCEPT))  # [num_reqs, k_max]
+    host = np.concatenate([a.reshape(-1).astype(np.int64) for a in (
+        drafts, target_rows, draft_rows, valid, num_drafts, cu_draft, cu_target, greedy_host,
+        final_keys.view(np.int64))])
+    up = rng.to_device(torch.from_numpy(host), torch.int64, device)
+    sizes = [num_reqs * k_max] * 4 + [num_reqs] * 4 + [num_reqs * (k_max + 1)]
+    drafts_t, target_rows_t, draft_rows_t, valid_t, k, cu_draft_t, cu_target_t, greedy_t, keys_t = up.split(sizes)
+    drafts_t, target_rows_t, draft_rows_t = (x.view(num_reqs, k_max) for x in (drafts_t, target_rows_t, draft_rows_t))
+    valid_t, greedy_t = valid_t.view(num_reqs, k_max).bool(), greedy_t.bool()
 
     # --- Acceptance: accepted[i, j] says whether draft j of request i passes its own test. ---
-    accepted = target_probs.argmax(-1)[target_rows] == drafts  # greedy: draft == target argmax
-    random_reqs = [i for i, g in enumerate(greedy_host) if not g]
-    r = rng.to_device(random_reqs, torch.int64, device) if random_reqs else None  # [n] random requests
-    if r is not None and k_max:
-        # u < p(x)/q(x) has probability min(1, p(x)/q(x)); written as u * q(x) < p(x) so that
-        # q(x) = 0 accepts whenever p(x) > 0 and p(x) = 0 never accepts.
-        u = rng.uniform_rows(
-            [seeds[i] for i in random_reqs for _ in range(k_max)],
-            [positions[i] + j for i in random_reqs for j in range(k_max)], rng.ACCEPT, 1, device,
-        ).view(len(random_reqs), k_max)
-        x = drafts[r]  # [n, k_max]
-        p_x = target_probs[target_rows[r], x].float()
-        if draft_probs is None:
-            q_x = torch.ones_like(p_x)
-        else:
-            draft_rows = (cu_draft_t[r, None] + slot[None, :]).clamp_(max=max(total_drafts - 1, 0))
-            q_x = draft_probs[draft_rows, x].float()
-        accepted = accepted.index_copy(0, r, u * q_x < p_x)
+    accepted = valid_t
+    if k_max and any_random:
+        # Written as u * q(x) < p(x) so that q(x) = 0 accepts whenever p(x) > 0 and p(x) = 0 never accepts.
+        p_x = target_probs[target_rows_t, drafts_t].float()
+        q_x = 1.0 if draft_probs is None else draft_probs[draft_rows_t, drafts_t].float()
+        u_t = rng.to_device(torch.from_numpy(u), torch.float32, device)
+        accepted = accepted & (u_t * q_x < p_x)
+    if k_max and any_greedy:  # greedy: draft == target argmax
+        matches = target_probs.argmax(-1)[target_rows_t] == drafts_t
+        accepted = torch.where(greedy_t[:, None], valid_t & matches, accepted)
     # Drafts are accepted up to the first failure: n_acc = length of the leading run of True.
-    num_accepted = torch.cumprod((accepted & valid).to(torch.int64), dim=1).sum(dim=1)  # [num_reqs]
+    num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # [num_reqs]
 
     # --- The one extra token per request: recovered at the first rejection, else the bonus. ---
     p_final = target_probs[cu_target_t + num_accepted].float()  # [num_reqs, V]
-    final_tokens = p_final.argmax(-1)  # greedy: target argmax (bonus or correction)
-    if r is not None:
-        # Exponential race (`random_sample`): with E_v ~ Exp(1) i.i.d., argmax_v w(v) / E_v ~ w / sum(w)
-        # for any w >= 0, so the residual max(0, p - q) needs no normalisation.
-        n_acc = num_accepted[r]  # [n]
-        is_bonus = n_acc == k[r]  # [n]
-        weights = p_final[r]  # [n, V]
+    if any_random:
+        # Exponential race (`race`): with E_v ~ Exp(1) i.i.d., argmax_v w(v) / E_v ~ w / sum(w) for any
+        # w >= 0, so the residual max(0, p - q) needs no normalisation.
+        weights = p_final
         if total_drafts:
             if draft_probs is None:  # one-hot q on the rejected draft: remove it from p
-                rejected = drafts[r].gather(1, n_acc.clamp(max=k_max - 1)[:, None])  # [n, 1]
-                residual = weights.scatter(1, rejected, 0.0)
+                rejected = drafts_t.gather(1, num_accepted.clamp(max=k_max - 1)[:, None])  # [num_reqs, 1]
+                residual = p_final.scatter(1, rejected, 0.0)
             else:
-                q = draft_probs[(cu_draft_t[r] + n_acc).clamp_(max=total_drafts - 1)].float()  # [n, V]
-                residual = (weights - q).clamp_min_(0.0)  # max(0, p - q), unnormalised
+                q = draft_probs[(cu_draft_t + num_accepted).clamp_(max=total_drafts - 1)].float()  # [num_reqs, V]
+                residual = (p_final - q).clamp_min_(0.0)  # max(0, p - q), unnormalised
             # NOTE: a rejection with an all-zero residual means p == q up to rounding, an event of
             # probability 0 in exact arithmetic; fall back to p rather than race on zeros.
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, weights)
-            weights = torch.where(is_bonus[:, None], weights, residual)
-        # The bonus uses the plain sampler's own draw (stream SAMPLE): a zero-draft request gets its
-        # usual token; a recovery draws from the RECOVER stream, both at position + n_acc.
-        stream = torch.where(is_bonus, rng.SAMPLE, rng.RECOVER)
-        pos = rng.to_device([positions[i] for i in random_reqs], torch.int64, device) + n_acc
-        drawn = random_sample(weights, [seeds[i] for i in random_reqs], pos, stream)
-        final_tokens = final_tokens.index_copy(0, r, drawn)
+            use = (num_accepted < k)[:, None] & (residual.sum(-1, keepdim=True) > 0)
+            weights = torch.where(use, residual, p_final)
+        final_tokens = race(weights, keys_t.view(num_reqs, k_max + 1).gather(1, num_accepted[:, None])[:, 0])
+        if any_greedy:  # target argmax (bonus or correction)
+            final_tokens = torch.where(greedy_t, p_final.argmax(-1), final_tokens)
+    else:
+        final_tokens = p_final.argmax(-1)
 
     # Emitted: accepted drafts in slots [0, n_acc), the extra token in slot n_acc, -1 after.
     out = torch.full((num_reqs, k_max + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    out[:, :k_max] = torch.where(slot[None, :] < num_accepted[:, None], drafts, PLACEHOLDER_TOKEN_ID)
+    out[:, :k_max] = torch.where(torch.arange(k_max, device=device) < num_accepted[:, None], drafts_t,
+                                 PLACEHOLDER_TOKEN_ID)
     return out.scatter_(1, num_accepted[:, None], final_tokens[:, None])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +100,21 @@ def test_inputs_as_lists_tensors_and_per_row_streams_agree():
     per_row = rng.uniform_rows(seeds, positions, streams, 4, CPU)
     for i, s in enumerate(streams.tolist()):
         assert torch.equal(per_row[i], rng.uniform_rows(seeds[i : i + 1], positions[i : i + 1], s, 4, CPU)[0])
+
+
+def test_host_keys_and_uniforms_match_the_torch_path_and_broadcast():
+    """The rejection sampler hashes a [requests, slots] grid on the host (numpy): same keys and uniforms as torch."""
+    seeds, positions = [11, 2**64 - 1, -3, 2**70 + 3], np.array([0, 5, 123, 7])
+    slots = np.arange(3)
+    keys = rng.host_keys(np.array(seeds, dtype=object)[:, None], positions[:, None] + slots, rng.ACCEPT)  # [4, 3]
+    u = rng.host_uniform(keys)
+    seeds_t = torch.tensor([rng.int64_bits(s) for s in seeds])
+    for j in slots:
+        col = (positions + j).tolist()
+        want = rng.row_keys(seeds_t, torch.tensor(col), rng.ACCEPT)  # hashed by torch
+        assert torch.equal(torch.from_numpy(keys[:, j].view(np.int64)), want)
+        assert u.dtype == np.float32 and torch.equal(torch.from_numpy(u[:, j]),
+                                                     rng.uniform_rows(seeds, col, rng.ACCEPT, 1, CPU)[:, 0])
 
 
 # ---------------------------------------------------------------------------------------------
