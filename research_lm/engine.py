@@ -24,6 +24,7 @@ from research_lm.runner import ModelRunner, PendingStep
 from research_lm.sampling_params import SamplingParams
 from research_lm.scheduler import Scheduler
 from research_lm.spec import build_proposer
+from research_lm.stop_strings import StopStrings
 
 _SEED_STREAM = 7  # derives per-request seeds from the engine seed
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0),
             sliding_window=self._shared_sliding_window(),
+            stop_strings=StopStrings(self.tokenizer) if self.tokenizer is not None else None,
         )
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device, proposer)
         self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step
@@ -176,6 +178,8 @@ class LLMEngine:
         try:
             req.prompt_token_ids = self.tokenize(prompt)
             self._validate_prompt(req.prompt_token_ids)
+            if params.stop and self.tokenizer is None:
+                raise ValueError("SamplingParams.stop needs a tokenizer and this model has none; use stop_token_ids")
         except ValueError as e:
             req.status, req.finish_reason, req.error = RequestStatus.FINISHED, "error", str(e)
             req.finish_time = req.arrival_time
@@ -250,7 +254,9 @@ class LLMEngine:
 
     def make_output(self, req: Request) -> RequestOutput:
         text = ""
-        if self.tokenizer is not None and req.output_token_ids:
+        if req.output_text is not None:  # a stop string ended it: the text stops before it
+            text = req.output_text
+        elif self.tokenizer is not None and req.output_token_ids:
             skip = req.sampling_params.skip_special_tokens
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=skip)
         completion = CompletionOutput(

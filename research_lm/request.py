@@ -44,7 +44,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # hash chain over full blocks
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | None = None  # the stop token id that ended it
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    output_text: str | None = None  # set when a stop string ended it: the text cut at that string
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

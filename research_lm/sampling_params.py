@@ -20,12 +20,15 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
+    stop: str | list[str] | None = None  # stop strings: the output text ends before the first one it contains
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per output token (plus the sampled one)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -41,6 +44,7 @@ class SamplingParams:
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 or None"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0 or None"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative integers"),
         ]

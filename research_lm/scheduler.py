@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from research_lm.kv_cache import KVCacheManager
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import PLACEHOLDER, Logprob, Request, RequestStatus
+from research_lm.stop_strings import StopStrings
 
 
 @dataclass
@@ -63,9 +64,11 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         num_lookahead_tokens: int = 0,
         sliding_window: int | None = None,
+        stop_strings: StopStrings | None = None,
     ) -> None:
         """`num_lookahead_tokens`: extra slots a proposer writes past the verified tokens (EAGLE).
-        `sliding_window`: free blocks out of the window; only when every layer uses that window."""
+        `sliding_window`: free blocks out of the window; only when every layer uses that window.
+        `stop_strings`: checks `SamplingParams.stop` (needs the tokenizer); None: requests may not set it."""
         if kv_cache.max_num_tokens < max_model_len + num_lookahead_tokens:
             raise ValueError(
                 f"the KV cache holds {kv_cache.max_num_tokens} tokens ({kv_cache.num_blocks - 1} blocks of "
@@ -84,6 +87,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_lookahead_tokens = num_lookahead_tokens
         self.sliding_window = sliding_window
+        self.stop_strings = stop_strings
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -355,6 +359,9 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return "stop"
+        if params.stop and (stop := self.stop_strings.check(request, num_output)) is not None:
+            request.stop_reason = stop
+            return "stop"
         if params.max_tokens is not None and num_output >= params.max_tokens:
             return "length"
         if request.num_prompt_tokens + num_output >= self.max_model_len:

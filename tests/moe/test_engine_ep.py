@@ -84,6 +84,7 @@ def _worker(rank: int, port: int, device: str, path: str, out_dir: str) -> None:
                   "cross_rank_moves": sum(cross_rank), "summary": {k: summary[k] for k in SUMMARY_KEYS},
                   "num_blocks": llm.engine.num_blocks}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # no rank tears its connections down while the other may still use them
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

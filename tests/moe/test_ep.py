@@ -87,6 +87,7 @@ def _worker(rank: int, port: int, backend: str) -> None:
         gathered = [torch.empty_like(mine) for _ in range(WORLD)]
         dist.all_gather(gathered, mine)
         assert all(torch.equal(g, mine) for g in gathered)
+        dist.barrier()  # no rank tears its connections down while the other may still use them
     finally:
         dist.destroy_process_group()
 
