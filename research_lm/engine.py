@@ -259,10 +259,13 @@ class LLMEngine:
         elif self.tokenizer is not None and req.output_token_ids:
             skip = req.sampling_params.skip_special_tokens
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=skip)
+        logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=req.output_logprobs if req.sampling_params.logprobs is not None else None,
+            logprobs=logprobs,
+            cumulative_logprob=None if logprobs is None else sum(
+                lp[t].logprob for t, lp in zip(req.output_token_ids, logprobs, strict=True)),
         )
         metrics = RequestMetrics(
             arrival_time=req.arrival_time, first_token_time=req.first_token_time,

@@ -31,7 +31,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompts: str | dict | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
@@ -60,9 +60,22 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[str | list[int]]:
-    if isinstance(prompts, str):
-        return [prompts]
+    """Strings, token-id lists, or vLLM's prompt dicts ({"prompt": str} / {"prompt_token_ids": [int]})."""
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+    return [_one_prompt(p) for p in prompts]
+
+
+def _one_prompt(p) -> str | list[int]:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return list(p["prompt_token_ids"])
+        if "prompt" in p:
+            return p["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(p)}")
+    return list(p)

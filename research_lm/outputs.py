@@ -51,6 +51,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None  # sum of the emitted tokens' logprobs, when logprobs were asked
 
 
 @dataclass

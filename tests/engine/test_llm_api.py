@@ -108,3 +108,17 @@ def test_load_format_dummy_needs_only_a_config(tmp_path):
     assert all(p.abs().sum() > 0 for p in llm.engine.model.parameters())  # drawn, not left empty
     with pytest.raises(ValueError, match="load_format"):
         LLM(str(tmp_path), load_format="npz", device="cpu")
+
+
+def test_vllm_prompt_dicts_and_cumulative_logprob(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    by_ids, by_text, plain = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt": "def f"}, [5, 6, 7]], params,
+                                          use_tqdm=False)
+    assert by_ids.prompt_token_ids == [5, 6, 7] and by_ids.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert by_text.prompt == "def f"
+    out = by_ids.outputs[0]
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob < 0
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"text": "x"}], params, use_tqdm=False)
