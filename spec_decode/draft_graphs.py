@@ -35,9 +35,10 @@ rows n .. B have query length 0. Chain rows past their limit (or padding) still 
 writing no KV; their drafts are dropped on the host.
 
 Used when a pick rule serves every drafting request (no penalties or min_tokens ban; with sampling no
-top-k, top-p or min-p; logprobs do not matter, drafts never return them), every request's entry is at most
-q rows (a prompt chunk rarely is), and the batch fits the largest size; otherwise the proposer drafts
-eagerly. Not captured at all for a drafter with a layer that syncs with the host in forward
+top-k, top-p or min-p; logprobs do not matter, drafts never return them) and the batch fits the largest
+size; otherwise the proposer drafts eagerly. An entry longer than q rows (a prompt, or a prompt chunk) is
+`split`: the proposer runs its first rows eagerly (they only write the drafter's KV) and the graph the last q.
+Not captured at all for a drafter with a layer that syncs with the host in forward
 (`research_lm.cuda_graphs.uncapturable_reason`; the runner checks only the target), and the entry is
 captured with q = 1 only where an attention backend lacks `cuda_graphs_multi_token`. The attention launch
 plans are fixed at capture with max_seq_len = max_model_len + num_lookahead_tokens, the longest any
@@ -240,9 +241,21 @@ class DraftGraphs:
         i = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def serves(self, entry_lens: Sequence[int]) -> bool:
-        """Does a graph fit a step whose requests have these entry lengths?"""
-        return self.padded_size(len(entry_lens)) is not None and max(entry_lens, default=0) <= self.query_len
+    def serves(self, num_reqs: int) -> bool:
+        """Does a graph fit a step with this many entry requests (after `split` of the long entries)?"""
+        return self.padded_size(num_reqs) is not None
+
+    def split(self, lens: Sequence[int], *rows: Sequence[int]) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """Entries longer than q rows (a prompt, or a prompt chunk) do not fit the graph: their first n - q rows
+        only write the drafter's KV, so the proposer runs them eagerly first and the graph the last q.
+        rows: flat per-row lists (request by request, `lens` rows each). Returns (rows cut from each request,
+        n - q or 0; each list's cut rows; each list's rows left for the graph: the last min(n, q) per request)."""
+        cut = [max(0, n - self.query_len) for n in lens]
+        ends = np.cumsum(lens, dtype=np.int64).tolist()
+        spans = list(zip(ends, lens, cut, strict=True))
+        early = [[x for e, n, c in spans for x in flat[e - n : e - n + c]] for flat in rows]
+        kept = [[x for e, n, c in spans for x in flat[e - n + c : e]] for flat in rows]
+        return cut, early, kept
 
     @torch.inference_mode()
     def run(

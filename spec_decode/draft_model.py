@@ -96,8 +96,17 @@ class DraftModelProposer:
             self._fed[req.request_id] = (max(valid, end), [])
         if not batch_rows:
             return drafting.proposal(reqs)
-        rule = drafting.pick_rule(self.vocab_size) if self.graphs is not None and self.graphs.serves(lens) else None
+        graphs_fit = self.graphs is not None and self.graphs.serves(len(lens))
+        rule = drafting.pick_rule(self.vocab_size) if graphs_fit else None
         if rule is not None:
+            cut, (early,), (tokens,) = self.graphs.split(lens, tokens)
+            if any(cut):  # the first rows of long entries (prompts) write the draft model's KV eagerly
+                long = [i for i, c in enumerate(cut) if c]
+                positions, md = draft_metadata(outcome.common, [batch_rows[i] for i in long],
+                                               [starts[i] for i in long], [cut[i] for i in long], self.cache_layers)
+                self._forward(early, positions, md)
+                starts = [s + c for s, c in zip(starts, cut, strict=True)]
+                lens = [n - c for n, c in zip(lens, cut, strict=True)]
             budget = dict(zip(drafting.index, drafting.budget, strict=True))
             drafts, probs = self.graphs.run(
                 outcome.common.block_table, batch_rows, tokens, starts, lens, [budget.get(i, 0) for i in batch_rows],

@@ -249,6 +249,15 @@ class EagleProposer:
     def _forward(self, ids, positions, md, features):  # `DraftForward` over the head's own features
         return self.head(self._embed(ids), features, positions, md)
 
+    def _entry(self, outcome: StepOutcome, batch_rows: list[int], starts: list[int], lens: list[int],
+               tokens: list[int], feature_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager entry forward over rows (x[t+1], feature_t), `lens` per request from `starts`: (out, hidden)."""
+        device = outcome.common.block_table.device
+        positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        rows = torch.tensor(feature_rows, dtype=torch.int64, device=device)
+        return self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
+
     def propose(self, outcome: StepOutcome) -> Proposal:
         reqs, emitted = outcome.requests, outcome.emitted
         drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
@@ -264,8 +273,16 @@ class EagleProposer:
             lens.append(count)
             tokens += token_span(req, e, c + 1, c + 1 + count)
             feature_rows += range(qsl[i], qsl[i] + count)
-        rule = drafting.pick_rule(self.vocab_size) if self.graphs is not None and self.graphs.serves(lens) else None
+        graphs_fit = self.graphs is not None and self.graphs.serves(len(lens))
+        rule = drafting.pick_rule(self.vocab_size) if graphs_fit else None
         if rule is not None:
+            cut, (early_tokens, early_rows), (tokens, feature_rows) = self.graphs.split(lens, tokens, feature_rows)
+            if any(cut):  # the first rows of long entries (prompts) write the head's KV eagerly
+                long = [i for i, c in enumerate(cut) if c]
+                self._entry(outcome, [batch_rows[i] for i in long], [starts[i] for i in long],
+                            [cut[i] for i in long], early_tokens, early_rows)
+                starts = [s + c for s, c in zip(starts, cut, strict=True)]
+                lens = [n - c for n, c in zip(lens, cut, strict=True)]
             budget = dict(zip(drafting.index, drafting.budget, strict=True))
             drafts, probs = self.graphs.run(
                 outcome.common.block_table, batch_rows, tokens, starts, lens, [budget.get(i, 0) for i in batch_rows],
@@ -274,15 +291,11 @@ class EagleProposer:
             )
             drafting.take(batch_rows, drafts, probs)
             return drafting.proposal(reqs)
-        device = outcome.common.block_table.device
-        positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-        rows = torch.tensor(feature_rows, dtype=torch.int64, device=device)
-        out, hidden = self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
+        out, hidden = self._entry(outcome, batch_rows, starts, lens, tokens, feature_rows)
         if not drafting.index:
             return drafting.proposal(reqs)
 
-        last = (torch.tensor(lens).cumsum(0) - 1)[drafting.index].to(device)  # each request's last row
+        last = (torch.tensor(lens).cumsum(0) - 1)[drafting.index].to(out.device)  # each request's last row
 
         def step(batch_rows, positions, ids, features):
             positions, md = draft_metadata(outcome.common, batch_rows, positions, [1] * len(ids), self.cache_layers)

@@ -61,3 +61,38 @@ def test_greedy_verification_skips_the_rejection_sampler_and_agrees_with_it(tiny
     mixed = llm.generate(prompts, [greedy, sampled] * 3, use_tqdm=False)
     assert calls, "a batch with a sampling request needs the rejection sampler"
     assert [o.outputs[0].token_ids for o in mixed][::2] == want[::2]
+
+
+def test_logprobs_under_speculation_match_plain_decoding(tiny_checkpoint):
+    """Every emitted token carries its logprobs (the target's raw ones, top-n + the token) whether it came
+    from a decode step or a verify step that emitted several; greedy and sampled requests side by side."""
+    import pytest
+
+    path = str(tiny_checkpoint("llama"))
+    knobs = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
+                 max_model_len=64)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=n) for n in (2, 0, 3)]
+    params += [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)]  # asks for none
+    prompts = _repetitive_prompts(LLM(path, **knobs).engine.info.vocab_size)[:4]
+    want = LLM(path, **knobs).generate(prompts, params, use_tqdm=False)
+    got = LLM(path, speculative_config=spec, **knobs).generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0  # some verify steps emitted several tokens
+    for g, w, p in zip(got, want, params, strict=True):
+        gc, wc = g.outputs[0], w.outputs[0]
+        assert gc.token_ids == wc.token_ids
+        if p.logprobs is None:
+            assert gc.logprobs is None and gc.cumulative_logprob is None
+            continue
+        assert len(gc.logprobs) == len(gc.token_ids)
+        for gl, wl, t in zip(gc.logprobs, wc.logprobs, gc.token_ids, strict=True):
+            assert list(gl) == list(wl) and t in gl and len(gl) <= p.logprobs + 1
+            assert [x.logprob for x in gl.values()] == pytest.approx([x.logprob for x in wl.values()], abs=1e-5)
+            assert [x.rank for x in gl.values()] == [x.rank for x in wl.values()]
+        assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob, abs=1e-4)
+    # A sampling request (through the rejection sampler) gets one dict per token too, its token in it.
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logprobs=1)
+    out = LLM(path, speculative_config=spec, **knobs).generate(prompts[:2], [sampled, params[0]], use_tqdm=False)
+    for o in out:
+        c = o.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids) and all(t in d for t, d in zip(c.token_ids, c.logprobs))

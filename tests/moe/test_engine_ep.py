@@ -88,6 +88,7 @@ def _worker(rank: int, port: int, device: str, path: str, out_dir: str) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    os._exit(0)  # passed: skip interpreter finalization, where gloo's threads can abort (SIGABRT) under load
 
 
 def _free_port() -> int:

@@ -101,13 +101,16 @@ def test_graph_chain_drafts_what_the_eager_chain_drafts(kind, tiny_checkpoint, t
     eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
     prompts = _prompts()
     want, want_proposals, _ = _run(eager, prompts, _greedy())
+    graphs, cuts = llm.engine.runner.proposer.graphs, []
+    graphs.split = lambda lens, *rows: cuts.append(DraftGraphs.split(graphs, lens, *rows)) or cuts[-1]
     got, proposals, replays = _run(llm, prompts, _greedy())
     assert got == want == [o.outputs[0].token_ids for o in LLM(str(checkpoint), device="cpu", **KNOBS).generate(
         prompts, _greedy(), use_tqdm=False)]
     assert _same_proposals(proposals, want_proposals)
     drafted = [r.drafting for r in replays]
     assert 3 in drafted and 1 in drafted  # padded (3 -> 4) and single-request replays both ran
-    assert len(replays) < len(proposals)  # the prompt chunks (entries longer than k + 1 rows) drafted eagerly
+    assert len(replays) == len(proposals)  # every step replayed, prompt chunks too:
+    assert any(c > 0 for cut, _, _ in cuts for c in cut)  # entries longer than k + 1 rows caught up eagerly first
     assert any(len(d) < K for p, _ in proposals for d in p.values() if d)  # budgets below k were cut
 
 
