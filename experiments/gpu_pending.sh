@@ -10,7 +10,8 @@
 # spec_ablation_h200 on one H200. Session 6 ran `pytest -m gpu tests/spec_decode tests/engine` at 082b9f0 (sampled
 # draft graphs) on an H100, and spec_t1_graphs_h100 (PERFORMANCE.md, sixth pass). CPU-tested only since: Medusa's
 # one-pass greedy drafts, the numpy-keyed rejection sampler (run `t1` and compare its verify ms with
-# spec_t1_graphs_h100.json on the same card kind, or run 082b9f0 from `git archive` in the same call).
+# spec_t1_graphs_h100.json on the same card kind, or run 082b9f0 from `git archive` in the same call), prompt
+# steps drafting from the graph (DraftGraphs.split), logprobs of verify steps, stop strings.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo

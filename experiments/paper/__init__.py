@@ -210,8 +210,9 @@ TABLES: dict[str, Table] = {
               "800); 48 output tokens per request, max(8, batch) code prompts, 3 seeds per cell; each job also runs "
               "the same workload without speculation in the same process (speedup: whole-workload output tok/s, "
               "prefill included; tpot_ratio compares decoding alone). CUDA graphs: decode and verify steps, and "
-              "whole greedy drafting steps of the model-based drafters (entry forward + chain in one replay; "
-              "temperature 1 drafts eagerly). The baseline schedules asynchronously; speculative runs do not.",
+              "whole drafting steps of the model-based drafters (entry forward + chain in one replay; what each "
+              "commit captures: experiments/results/PERFORMANCE.md). The baseline schedules asynchronously; "
+              "speculative runs do not.",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
