@@ -178,6 +178,9 @@ class LLMEngine:
         try:
             req.prompt_token_ids = self.tokenize(prompt)
             self._validate_prompt(req.prompt_token_ids)
+            if params.n != 1:
+                raise ValueError(f"SamplingParams.n={params.n}: the engine takes one completion per request; "
+                                 "LLM.generate runs n > 1 as n requests (SamplingParams.children)")
             if params.stop and self.tokenizer is None:
                 raise ValueError("SamplingParams.stop needs a tokenizer and this model has none; use stop_token_ids")
         except ValueError as e:

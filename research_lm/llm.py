@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from research_lm.config import EngineConfig
 from research_lm.engine import LLMEngine
-from research_lm.outputs import RequestOutput
+from research_lm.outputs import RequestOutput, merge_completions
 from research_lm.sampling_params import SamplingParams
 
 _KNOBS = {f.name for f in fields(EngineConfig)}
@@ -46,17 +46,19 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
             )
-        order = {}
+        order = {}  # request id -> (prompt index, completion index): n > 1 runs as n requests
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-            order[self.engine.add_request(prompt, params).request_id] = i
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            for c, child in enumerate(params.children()):
+                order[self.engine.add_request(prompt, child).request_id] = (i, c)
+        results: list[list[RequestOutput | None]] = [[None] * p.n for p in sampling_params]
+        with tqdm(total=len(order), desc="generate", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.request_id in order:
-                        results[order[out.request_id]] = out
+                        i, c = order[out.request_id]
+                        results[i][c] = out
                         bar.update(1)
-        return results  # type: ignore[return-value]
+        return [r[0] if len(r) == 1 else merge_completions(r) for r in results]  # type: ignore[arg-type]
 
 
 def _as_prompt_list(prompts) -> list[str | list[int]]:

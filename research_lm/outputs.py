@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from research_lm.request import Logprob, Request
 
@@ -88,3 +88,23 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why this request failed alone (e.g. prompt longer than max_model_len)
+
+
+def merge_completions(children: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n parallel-sampling children as vLLM returns them: one RequestOutput whose outputs are the
+    children's completions (index 0 .. n-1); metrics over all of them (first token first, finish last, token
+    and draft counts summed); the first child's error, if any."""
+    first = children[0]
+    outputs = [replace(c.outputs[0], index=i) for i, c in enumerate(children)]
+    ms = [c.metrics for c in children]
+    firsts = [m.first_token_time for m in ms if m.first_token_time is not None]
+    finishes = [m.finish_time for m in ms if m.finish_time is not None]
+    metrics = RequestMetrics(
+        arrival_time=min(m.arrival_time for m in ms), first_token_time=min(firsts, default=None),
+        finish_time=max(finishes, default=None), num_prompt_tokens=first.metrics.num_prompt_tokens,
+        num_output_tokens=sum(m.num_output_tokens for m in ms), num_cached_tokens=sum(m.num_cached_tokens for m in ms),
+        num_preemptions=sum(m.num_preemptions for m in ms), num_draft_tokens=sum(m.num_draft_tokens for m in ms),
+        num_accepted_tokens=sum(m.num_accepted_tokens for m in ms),
+    )
+    return replace(first, outputs=outputs, metrics=metrics,
+                   error=next((c.error for c in children if c.error is not None), None))

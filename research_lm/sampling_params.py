@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    n: int = 1
+    n: int = 1  # completions per prompt (`LLM.generate` runs them as n requests)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -33,7 +33,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            ("n", self.n == 1, "must be 1 (parallel sampling is not supported)"),
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be a positive integer"),
             ("temperature", self.temperature >= 0.0, "must be >= 0"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),
@@ -55,6 +55,14 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
             )
+
+    def children(self) -> list[SamplingParams]:
+        """The n single-completion params of parallel sampling, as vLLM makes them: a seeded request's child
+        i samples with seed + i (so each completion is reproducible on its own); an unseeded one's children
+        each get a seed from the engine, like any request."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
 
     @property
     def greedy(self) -> bool:

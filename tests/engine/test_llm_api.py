@@ -122,3 +122,33 @@ def test_vllm_prompt_dicts_and_cumulative_logprob(llm):
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate([{"text": "x"}], params, use_tqdm=False)
+
+
+def test_parallel_sampling_n_completions_per_prompt(llm):
+    """SamplingParams(n=k): one RequestOutput per prompt with k completions, in prompt order; a seeded request's
+    completion i is the n = 1 request with seed + i."""
+    seeded = SamplingParams(temperature=1.0, seed=40, max_tokens=6, ignore_eos=True, n=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=2)
+    plain = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], [12, 13]]
+    outs = llm.generate(prompts, [seeded, greedy, plain], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [len(o.outputs) for o in outs] == [3, 2, 1] and [c.index for c in outs[0].outputs] == [0, 1, 2]
+    for i, c in enumerate(outs[0].outputs):
+        alone = SamplingParams(temperature=1.0, seed=40 + i, max_tokens=6, ignore_eos=True)
+        assert c.token_ids == llm.generate([prompts[0]], alone, use_tqdm=False)[0].outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1  # different seeds, different samples
+    assert outs[1].outputs[0].token_ids == outs[1].outputs[1].token_ids  # greedy: the same completion twice
+    assert outs[0].metrics.num_output_tokens == 18
+    unseeded = llm.generate([[5, 6]], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=4),
+                            use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in unseeded.outputs}) > 1
+
+
+def test_n_must_be_positive_and_the_engine_takes_one():
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="SamplingParams.n"):
+            SamplingParams(n=bad)
+    engine = LLM("tiny-llama", device="cpu", max_model_len=32).engine
+    req = engine.add_request([5, 6], SamplingParams(n=2))
+    assert req.finish_reason == "error" and "LLM.generate" in req.error
