@@ -59,9 +59,10 @@ class MedusaHeads(nn.ModuleList):
             for _ in range(num_heads)
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, num_heads, vocab] fp32
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """[n, H] -> [n, num_heads, vocab] fp32: the first num_heads heads (default: all)."""
         out = []
-        for head in self:
+        for head in list(self)[:num_heads]:
             x = hidden
             for block in head[:-1]:
                 x = block(x)
@@ -97,9 +98,9 @@ class MedusaProposer:
             qsl[i] + (reqs[i].num_tokens + len(outcome.emitted[i]) - 1 - computed[i]) - 1 for i in drafting.index
         ]
         hidden = outcome.hidden_states[torch.tensor(rows, dtype=torch.int64, device=outcome.hidden_states.device)]
-        logits = self.heads(hidden)  # [R, num_heads, V]
+        logits = self.heads(hidden, self.num_speculative_tokens)  # [R, k, V]: heads past k would go unused
         if drafting.pick_rule(self.vocab_size) == "argmax":  # every draft a raw argmax: one pass, one copy
-            top = logits[:, : self.num_speculative_tokens, : self.vocab_size].argmax(dim=-1).tolist()
+            top = logits[:, :, : self.vocab_size].argmax(dim=-1).tolist()
             drafting.take(drafting.index, [t[:b] for t, b in zip(top, drafting.budget, strict=True)])
             return drafting.proposal(reqs)
         for j in range(self.num_speculative_tokens):
