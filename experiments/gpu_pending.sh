@@ -2,7 +2,7 @@
 # GPU checks to repeat after a change to the runner, in one-H200 device calls (each block fits 10 minutes). From
 # the repository root (or a `git archive HEAD` copy of it), with hydra/omegaconf/flashinfer wheels installed and
 # RESEARCH_LM_COMMIT / BENCH_COMMIT set to the commit.
-#   bash experiments/gpu_pending.sh tests | match | t1
+#   bash experiments/gpu_pending.sh tests | match | t1 | b1
 # Session 4 (2026-11-25) ran both at 6e6bc1b / 89ff565, and the tables bench_decode, bench_throughput,
 # bench_decode_8b and attention_ablation_h200 (parts over two calls, --print-commands / --from-sweep), and the
 # attention_ablation preset at GPU size (113 s). Still never run on a GPU: the fa2 variant of mla_flashinfer.
@@ -31,6 +31,18 @@ case ${1:-tests} in
         hydra.sweep.dir=multirun/t1_$method
       grep -hE '"(draft_ms_per_step_median|verify_ms_per_step_median|mean_acceptance_length|speedup|tpot_ratio)"' \
         multirun/t1_$method/*/results.json
+    done ;;
+  b1)  # issue 4's batch-1 cells on the reference target (spec_ablation_h200's settings), k = 5, greedy and T = 1:
+        # checks the prompt-step split (speedup vs tpot_ratio) and the T = 1 verify on the real target
+    [ -d outputs/reference/target ] || SIDE_BY_SIDE=1 bash experiments/train_reference.sh outputs/reference
+    for pair in "eagle3 eagle3" "draft_model draft" "eagle eagle"; do
+      set -- $pair
+      python -m research_lm -m experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf \
+        model.name=outputs/reference/target spec=$1 spec.model=outputs/reference/$2 spec.num_speculative_tokens=5 \
+        workload.temperature=0.0,1.0 workload.max_tokens=48 runner.num_gpu_blocks=4096 runner.max_num_seqs=1 \
+        workload.num_requests=8 warmup_requests=1 seed=0,1,2 hydra.sweep.dir=multirun/b1_$1
+      grep -hE '"(mean_acceptance_length|speedup|tpot_ratio|draft_ms_per_step_median|verify_ms_per_step_median)"' \
+        multirun/b1_$1/*/results.json
     done ;;
   *) echo "unknown block $1" >&2; exit 2 ;;
 esac
