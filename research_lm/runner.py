@@ -372,11 +372,7 @@ class ModelRunner:
         """Rejection-sample the drafts of every request that emits this step (vLLM's [B, k+1] rule): the
         tokens each request emits, how many drafts each rejected, and the emitted tokens' logprobs where
         some request asks for them."""
-        rows = [
-            SamplingRow(scheduled[i].request, None if j == 0 else
-                        scheduled[i].request.output_token_ids + scheduled[i].spec_token_ids[:j])
-            for i, j in sample_rows
-        ]
+        rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         reqs = sorted({i for i, _ in sample_rows})
         drafts = [scheduled[i].spec_token_ids for i in reqs]

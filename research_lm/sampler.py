@@ -66,29 +66,31 @@ __all__ = [
 
 @dataclass
 class SamplingRow:
-    """Sample the token at output position `len(outputs)` of `request`."""
+    """Sample the token at output position `len(outputs)` of `request`, where the outputs before it are
+    `output_token_ids` (None: the request's own) followed by `then` (drafts being verified or drafted).
+    The concatenation is built only if a penalty reads it: a verify row must not copy a long output."""
 
     request: Request
-    # The request's outputs before this position; None: `request.output_token_ids` (plain decode).
     output_token_ids: list[int] | None = None
+    then: Sequence[int] = ()
 
     @property
-    def outputs(self) -> list[int]:
+    def _base(self) -> list[int]:
         return self.request.output_token_ids if self.output_token_ids is None else self.output_token_ids
 
     @property
+    def outputs(self) -> list[int]:
+        return self._base + list(self.then) if self.then else self._base
+
+    @property
     def position(self) -> int:
-        return len(self.outputs)
+        return len(self._base) + len(self.then)
 
     @classmethod
     def verify(cls, request: Request, draft_token_ids: Sequence[int]) -> list[SamplingRow]:
         """The k+1 rows that verify k drafts: positions p .. p+k, row j seeing drafts[:j] as output."""
-        out = list(request.output_token_ids)
-        rows = [cls(request)]
-        for t in draft_token_ids:
-            out = out + [int(t)]
-            rows.append(cls(request, out))
-        return rows
+        drafts = [int(t) for t in draft_token_ids]
+        return [cls(request, then=drafts[:j]) for j in range(len(drafts) + 1)]
 
 
 RowLike = Request | SamplingRow | tuple[Request, list[int] | None]

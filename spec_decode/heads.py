@@ -182,7 +182,7 @@ class Drafting:
 
     def add(self, active: Sequence[int], logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [A] int64
         """Pick the next draft of each active request from its draft logits [A, >= vocab_size]."""
-        rows = [SamplingRow(self.requests[a], self.outputs[a] + self.tokens[a]) for a in active]
+        rows = [SamplingRow(self.requests[a], self.outputs[a], self.tokens[a]) for a in active]
         tokens, probs = pick_tokens(logits[:, :vocab_size], rows, vocab_size, self.need_probs)
         for r, (a, t) in enumerate(zip(active, tokens.tolist(), strict=True)):
             self.tokens[a].append(t)
@@ -219,7 +219,7 @@ class Drafting:
         samples, with a temperature and nothing else: no penalty, ban, top-k, top-p or min-p), else None.
         A ban only shrinks as the position grows, so what holds at draft 1 holds for the rest of the chain.
         Logprobs do not matter: drafts never return them (`pick_tokens` ignores them too)."""
-        rows = [SamplingRow(r, o + t) for r, o, t in zip(self.requests, self.outputs, self.tokens, strict=True)]
+        rows = [SamplingRow(r, o, t) for r, o, t in zip(self.requests, self.outputs, self.tokens, strict=True)]
         batch = SamplingBatch.build(rows, vocab_size)
         if not batch.no_penalties or batch.banned_rows is not None:
             return None
