@@ -166,7 +166,7 @@ class Drafting:
 
     index: list[int]
     requests: list[Request]
-    outputs: list[list[int]]  # output tokens including this step's emitted ones
+    emitted: list[list[int]]  # this step's emitted tokens, after the request's output_token_ids
     budget: list[int]  # drafts each request wants
     need_probs: bool  # some request samples: keep q for every drafted token
     tokens: list[list[int]] = field(default_factory=list)
@@ -176,13 +176,18 @@ class Drafting:
         self.tokens = [[] for _ in self.index]
         self.probs = [[] for _ in self.index]
 
+    def _row(self, a: int) -> SamplingRow:
+        """The sampling row of request a's next draft: its outputs, this step's emitted tokens, its drafts so far
+        (referenced, not concatenated: only a penalty builds the list)."""
+        return SamplingRow(self.requests[a], then=[*self.emitted[a], *self.tokens[a]])
+
     def active(self, j: int) -> list[int]:
         """Positions (into this object's lists) of the requests that want a (j+1)-th draft."""
         return [a for a, b in enumerate(self.budget) if b > j]
 
     def add(self, active: Sequence[int], logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [A] int64
         """Pick the next draft of each active request from its draft logits [A, >= vocab_size]."""
-        rows = [SamplingRow(self.requests[a], self.outputs[a], self.tokens[a]) for a in active]
+        rows = [self._row(a) for a in active]
         tokens, probs = pick_tokens(logits[:, :vocab_size], rows, vocab_size, self.need_probs)
         for r, (a, t) in enumerate(zip(active, tokens.tolist(), strict=True)):
             self.tokens[a].append(t)
@@ -219,7 +224,7 @@ class Drafting:
         samples, with a temperature and nothing else: no penalty, ban, top-k, top-p or min-p), else None.
         A ban only shrinks as the position grows, so what holds at draft 1 holds for the rest of the chain.
         Logprobs do not matter: drafts never return them (`pick_tokens` ignores them too)."""
-        rows = [SamplingRow(r, o, t) for r, o, t in zip(self.requests, self.outputs, self.tokens, strict=True)]
+        rows = [self._row(a) for a in range(len(self.index))]
         batch = SamplingBatch.build(rows, vocab_size)
         if not batch.no_penalties or batch.banned_rows is not None:
             return None
@@ -238,7 +243,7 @@ class Drafting:
             out.temperature.append(1.0 if greedy else sp.temperature)
             out.greedy.append(greedy)
             out.seeds.append(0 if a is None else self.requests[a].seed)
-            out.positions.append(0 if a is None else len(self.outputs[a]))
+            out.positions.append(0 if a is None else self.requests[a].num_output_tokens + len(self.emitted[a]))
         return out
 
     def take(self, rows: Sequence[int], drafts: Sequence[list[int]], probs: torch.Tensor | None = None) -> None:
@@ -268,7 +273,7 @@ def start_drafting(
         if b > 0:
             idx.append(i)
             reqs.append(req)
-            outs.append(req.output_token_ids + list(e))
+            outs.append(list(e))
             budget.append(b)
     need_probs = any(not r.sampling_params.greedy for r in reqs)
     return Drafting(idx, reqs, outs, budget, need_probs)

@@ -92,6 +92,21 @@ def test_target_as_draft_tau_is_k_plus_1(baseline, k):
         assert (m.num_output_tokens - 1) / verify_steps == k + 1
 
 
+def test_target_as_draft_with_penalties_accepts_everything(baseline):
+    """Penalties read the outputs before each position: the drafter's rows (outputs, this step's emitted tokens,
+    the drafts so far) must see exactly what the verifier's rows see, or a penalised draft would be rejected."""
+    path, prompts, _ = baseline
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5,
+                             presence_penalty=0.7, frequency_penalty=0.4),
+              SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=5, repetition_penalty=1.3)]
+    _, outs = _generate(path, path, prompts[:2], params, num_gpu_blocks=128, max_num_batched_tokens=64)
+    plain = LLM(str(path), **{**KNOBS, "num_gpu_blocks": 128, "max_num_batched_tokens": 64}).generate(
+        prompts[:1], params[:1], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    for o in outs:
+        assert o.metrics.num_draft_tokens > 0 and o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens
+
+
 def test_always_wrong_draft_gives_tau_1(baseline, tmp_path):
     path, prompts, want = baseline
     draft = _variant(path, tmp_path / "negated", lambda k, v: -v if k == "lm_head.weight" else v)
