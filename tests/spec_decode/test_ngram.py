@@ -38,6 +38,20 @@ def test_matches_naive_reference(tokens, min_n, extra, k):
     assert proposer.propose([np.array(tokens, dtype=np.int32)]) == [expected]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    batch=st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=30), min_size=1, max_size=6),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    k=st.integers(0, 5),
+)
+def test_a_batch_matches_the_reference_request_by_request(batch, min_n, extra, k):
+    """All requests are searched at once over their sequences laid end to end: no match may cross from one
+    request into the next."""
+    want = [naive_proposal(tokens, min_n, min_n + extra, k) for tokens in batch]
+    assert NgramProposer(min_n, min_n + extra, k).propose(batch) == want
+
+
 def test_batch_mixes_lengths_and_types():
     proposer = NgramProposer(1, 3, 2)
     batch = [[1, 2, 3, 1, 2], np.array([5]), [], np.array([7, 8, 9, 7, 8, 9, 7])]
