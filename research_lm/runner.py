@@ -32,18 +32,11 @@ from research_lm.cuda_graphs import (
     unsupported_reason,
 )
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from research_lm.request import PLACEHOLDER, Logprob
+from research_lm.request import PLACEHOLDER
 from research_lm.rng import to_device
-from research_lm.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingBatch,
-    SamplingRow,
-    compute_probs,
-    gather_logprobs,
-    logprobs_to_dicts,
-)
-from research_lm.spec import Proposal, Proposer, StepOutcome, load_rejection_sampler
+from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
+from research_lm.spec import Proposal, Proposer, StepOutcome
+from research_lm.verification import verify_drafts
 
 
 class RequestRows:
@@ -202,7 +195,8 @@ class ModelRunner:
                 return pending
             output, num_rejected = self.collect(pending), [0] * len(scheduled)
         else:
-            emitted, num_rejected, logprobs = self._verify(scheduled, sample_rows, logits, greedy_ids)
+            emitted, num_rejected, logprobs = verify_drafts(scheduled, sample_rows, logits, greedy_ids,
+                                                            self.draft_probs, self.vocab_size, self.device)
             output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
                                   logprobs=logprobs, num_draft_tokens=[len(s.spec_token_ids) for s in scheduled])
             output.verify_ms = (time.perf_counter() - t0) * 1e3
@@ -361,68 +355,6 @@ class ModelRunner:
             input_ids.index_copy_(0, dst, self._in_flight_ids([scheduled[r].request.request_id
                                                                for r in req_of_token[holes].tolist()]))
         return common, sample_rows, graph_key, logits_indices
-
-    def _verify(
-        self,
-        scheduled: list[ScheduledRequest],
-        sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
-        logits: torch.Tensor,  # [num_sample_rows, vocab]
-        greedy_ids: torch.Tensor | None = None,  # [num_sample_rows] logits.argmax(-1), when the graph computed it
-    ) -> tuple[list[list[int]], list[int], list[list[dict[int, Logprob]]] | None]:
-        """Rejection-sample the drafts of every request that emits this step (vLLM's [B, k+1] rule): the
-        tokens each request emits, how many drafts each rejected, and the emitted tokens' logprobs where
-        some request asks for them."""
-        rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
-        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        reqs = sorted({i for i, _ in sample_rows})
-        drafts = [scheduled[i].spec_token_ids for i in reqs]
-        q = [self.draft_probs.pop(scheduled[i].request.request_id, None) for i in reqs]
-        emitted: list[list[int]] = [[] for _ in scheduled]
-        if batch.all_greedy and batch.no_penalties and batch.banned_rows is None:
-            # The greedy rule on raw logits needs each row's argmax only (the graph's, when it has it): accept
-            # drafts while they equal it, then emit it; no probabilities, no batched sampler.
-            target = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)).tolist()
-            row = 0
-            for i, d in zip(reqs, drafts, strict=True):
-                n = next((j for j, t in enumerate(d) if t != target[row + j]), len(d))  # drafts accepted
-                emitted[i] = d[:n] + [target[row + n]]
-                row += len(d) + 1
-        else:
-            rejection_sample = load_rejection_sampler()
-            draft_probs = None
-            if any(x is not None for x in q) and all(x is not None for x, d in zip(q, drafts) if d):
-                draft_probs = torch.cat([x[: len(d)] for x, d in zip(q, drafts) if d])
-            tokens = rejection_sample(
-                drafts, compute_probs(logits, batch), draft_probs,
-                torch.tensor([scheduled[i].request.sampling_params.greedy for i in reqs]),
-                [scheduled[i].request.seed for i in reqs],
-                [scheduled[i].request.num_output_tokens for i in reqs],
-            ).tolist()
-            for i, row in zip(reqs, tokens, strict=True):
-                emitted[i] = [t for t in row if t != -1]
-        num_rejected = [len(s.spec_token_ids) + 1 - len(e) if e else 0 for s, e in zip(scheduled, emitted)]
-        logprobs = None if batch.max_num_logprobs is None else self._emitted_logprobs(
-            logits, sample_rows, batch, emitted)
-        return emitted, num_rejected, logprobs
-
-    def _emitted_logprobs(
-        self,
-        logits: torch.Tensor,  # [num_sample_rows, vocab] raw
-        sample_rows: list[tuple[int, int]],
-        batch: SamplingBatch,
-        emitted: list[list[int]],
-    ) -> list[list[dict[int, Logprob]]]:
-        """The raw logprobs (as plain sampling returns them) of each emitted token, from the target row that
-        emitted it: row (i, j) emitted token j of request i, when the request emitted more than j tokens."""
-        keep = [r for r, (i, j) in enumerate(sample_rows) if j < len(emitted[i])]
-        ids = torch.tensor([emitted[i][j] for i, j in (sample_rows[r] for r in keep)], device=logits.device)
-        rows = torch.tensor(keep, device=logits.device)
-        tensors = gather_logprobs(torch.log_softmax(logits[rows].float(), dim=-1), ids, batch.max_num_logprobs)
-        out: list[list[dict[int, Logprob]]] = [[] for _ in emitted]
-        for r, d in zip(keep, logprobs_to_dicts(tensors, ids, [batch.num_logprobs[r] for r in keep]), strict=True):
-            if d is not None:
-                out[sample_rows[r][0]].append(d)
-        return out
 
     def _copy_block_table(self, num_reqs: int, num_cols: int) -> torch.Tensor:
         """Copy only the live corner of the block table; kernels read rows through their stride."""

@@ -40,7 +40,7 @@ def test_ngram_greedy_identical_under_pressure(tiny_checkpoint):
 def test_greedy_verification_skips_the_rejection_sampler_and_agrees_with_it(tiny_checkpoint, monkeypatch):
     """An all-greedy verify step takes the argmax rule directly; a batch with a sampling or penalised request
     goes through the rejection sampler. The greedy requests' tokens are the same either way."""
-    import research_lm.runner as runner_module
+    import research_lm.verification as verification_module
 
     path = str(tiny_checkpoint("llama"))
     knobs = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
@@ -53,8 +53,8 @@ def test_greedy_verification_skips_the_rejection_sampler_and_agrees_with_it(tiny
     want = [o.outputs[0].token_ids for o in LLM(path, **knobs).generate(prompts, greedy, use_tqdm=False)]
 
     calls = []
-    real = runner_module.load_rejection_sampler
-    monkeypatch.setattr(runner_module, "load_rejection_sampler", lambda: calls.append(1) or real())
+    real = verification_module.load_rejection_sampler
+    monkeypatch.setattr(verification_module, "load_rejection_sampler", lambda: calls.append(1) or real())
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0 and not calls  # verified, never rejection-sampled
