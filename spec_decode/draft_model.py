@@ -74,6 +74,13 @@ class DraftModelProposer:
         out = self.model(ids, positions, md)
         return out[0] if isinstance(out, tuple) else out  # [T, H]
 
+    def _entry(self, outcome: StepOutcome, batch_rows: list[int], starts: list[int], lens: list[int],
+               tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager forward over `lens` tokens per request from `starts` (writing the draft KV): (positions,
+        hidden)."""
+        positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
+        return positions, self._forward(tokens, positions, md)
+
     def propose(self, outcome: StepOutcome) -> Proposal:
         reqs, emitted = outcome.requests, outcome.emitted
         drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
@@ -99,23 +106,10 @@ class DraftModelProposer:
         graphs_fit = self.graphs is not None and self.graphs.serves(len(lens))
         rule = drafting.pick_rule(self.vocab_size) if graphs_fit else None
         if rule is not None:
-            cut, (early,), (tokens,) = self.graphs.split(lens, tokens)
-            if any(cut):  # the first rows of long entries (prompts) write the draft model's KV eagerly
-                long = [i for i, c in enumerate(cut) if c]
-                positions, md = draft_metadata(outcome.common, [batch_rows[i] for i in long],
-                                               [starts[i] for i in long], [cut[i] for i in long], self.cache_layers)
-                self._forward(early, positions, md)
-                starts = [s + c for s, c in zip(starts, cut, strict=True)]
-                lens = [n - c for n, c in zip(lens, cut, strict=True)]
-            budget = dict(zip(drafting.index, drafting.budget, strict=True))
-            drafts, probs = self.graphs.run(
-                outcome.common.block_table, batch_rows, tokens, starts, lens, [budget.get(i, 0) for i in batch_rows],
-                sampling=drafting.sampling(batch_rows) if rule == "sample" else None,
-            )
-            drafting.take(batch_rows, drafts, probs)
+            drafting.replay(self.graphs, rule, outcome.common.block_table, batch_rows, starts, lens, tokens,
+                            lambda *span: self._entry(outcome, *span))
         else:
-            positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
-            hidden = self._forward(tokens, positions, md)
+            positions, hidden = self._entry(outcome, batch_rows, starts, lens, tokens)
             if not drafting.index:
                 return drafting.proposal(reqs)
             row_in_batch = {i: r for r, i in enumerate(batch_rows)}

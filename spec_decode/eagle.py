@@ -276,20 +276,9 @@ class EagleProposer:
         graphs_fit = self.graphs is not None and self.graphs.serves(len(lens))
         rule = drafting.pick_rule(self.vocab_size) if graphs_fit else None
         if rule is not None:
-            cut, (early_tokens, early_rows), (tokens, feature_rows) = self.graphs.split(lens, tokens, feature_rows)
-            if any(cut):  # the first rows of long entries (prompts) write the head's KV eagerly
-                long = [i for i, c in enumerate(cut) if c]
-                self._entry(outcome, [batch_rows[i] for i in long], [starts[i] for i in long],
-                            [cut[i] for i in long], early_tokens, early_rows)
-                starts = [s + c for s, c in zip(starts, cut, strict=True)]
-                lens = [n - c for n, c in zip(lens, cut, strict=True)]
-            budget = dict(zip(drafting.index, drafting.budget, strict=True))
-            drafts, probs = self.graphs.run(
-                outcome.common.block_table, batch_rows, tokens, starts, lens, [budget.get(i, 0) for i in batch_rows],
-                features=lambda rows: self._target_features(outcome, rows), feature_rows=feature_rows,
-                sampling=drafting.sampling(batch_rows) if rule == "sample" else None,
-            )
-            drafting.take(batch_rows, drafts, probs)
+            drafting.replay(self.graphs, rule, outcome.common.block_table, batch_rows, starts, lens, tokens,
+                            lambda *span: self._entry(outcome, *span), feature_rows=feature_rows,
+                            features=lambda rows: self._target_features(outcome, rows))
             return drafting.proposal(reqs)
         out, hidden = self._entry(outcome, batch_rows, starts, lens, tokens, feature_rows)
         if not drafting.index:

@@ -31,7 +31,7 @@ from research_lm.models.loader import checkpoint_files, iter_checkpoint, resolve
 from research_lm.request import Request
 from research_lm.sampler import SamplingBatch, SamplingRow, probs_from_processed, process_logits, random_sample
 from research_lm.spec import Proposal
-from spec_decode.draft_graphs import DraftSampling
+from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 
 # ---------------------------------------------------------------------------------------------------
 # Checkpoint reading
@@ -245,6 +245,35 @@ class Drafting:
             out.seeds.append(0 if a is None else self.requests[a].seed)
             out.positions.append(0 if a is None else self.requests[a].num_output_tokens + len(self.emitted[a]))
         return out
+
+    def replay(
+        self,
+        graphs: DraftGraphs,
+        rule: str,  # `pick_rule`'s answer: "argmax" or "sample"
+        block_table: torch.Tensor,  # the target step's
+        batch_rows: list[int],  # [n] each entry request's row in the step
+        starts: list[int],  # [n] position of its first entry row
+        lens: list[int],  # [n] its entry rows
+        tokens: list[int],  # the entry rows' tokens, request after request
+        catch_up: Callable[..., Any],  # (rows, starts, lens, tokens[, feature_rows]): an eager entry forward
+        feature_rows: list[int] | None = None,  # EAGLE: each entry row's row in the target step
+        features: Callable[[torch.Tensor], torch.Tensor] | None = None,  # EAGLE: feature rows -> features
+    ) -> None:
+        """Draft the whole step from `graphs`. Entries longer than the graph's q rows (prompts) first write the
+        drafter's KV for all but their last q rows through `catch_up`, eagerly (`DraftGraphs.split`)."""
+        cut, early, kept = graphs.split(lens, *([tokens] if feature_rows is None else [tokens, feature_rows]))
+        if any(cut):
+            long = [i for i, c in enumerate(cut) if c]
+            catch_up([batch_rows[i] for i in long], [starts[i] for i in long], [cut[i] for i in long], *early)
+            starts = [s + c for s, c in zip(starts, cut, strict=True)]
+            lens = [n - c for n, c in zip(lens, cut, strict=True)]
+        budget = dict(zip(self.index, self.budget, strict=True))
+        drafts, probs = graphs.run(
+            block_table, batch_rows, kept[0], starts, lens, [budget.get(i, 0) for i in batch_rows],
+            features=features, feature_rows=None if feature_rows is None else kept[1],
+            sampling=self.sampling(batch_rows) if rule == "sample" else None,
+        )
+        self.take(batch_rows, drafts, probs)
 
     def take(self, rows: Sequence[int], drafts: Sequence[list[int]], probs: torch.Tensor | None = None) -> None:
         """Drafts from a graph replay: drafts[r] (and q = probs[r, :len(drafts[r])], [k, V]) belong to the
