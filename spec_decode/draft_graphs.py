@@ -25,10 +25,13 @@ Persistent buffers, allocated once for the largest size A (a replay reads them w
     block_table [A, blocks]        each request's row of the target step's block table (the KV is shared)
     entry record: query_start_loc [A+1], seq_lens [A], slot_mapping [Aq] (slots come from block_table
                                    inside the graph, -1 on padding)
-    chain: ids [A], positions [A] (+= 1 per step), limit [A] = last position + budget (rows feed, and write
-                                   KV, only below it: the scheduler allocated slots for the drafts the
-                                   request asked for, no more), carry [A, H] (EAGLE), and the chain's record
-    drafts [A, k] int64            drafts 1 .. k of each request
+    chain: positions, seq_lens, slot_mapping [k-1, A]
+                                   row j - 1 for step j, all filled before the first step, and one record per
+                                   step over its row. A row feeds (and writes KV) only below last position +
+                                   budget: the scheduler allocated slots for the drafts the request asked for,
+                                   no more. Step j reads draft j as its ids and (EAGLE) the previous step's
+                                   output as its feature, in place: no copies between the steps' forwards
+    drafts [k, A] int64            drafts 1 .. k of each request (row j: draft j + 1)
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
 Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
@@ -107,6 +110,7 @@ class DraftGraphs:
         entry: DraftForward,  # the entry forward: features [T, F] (or None) as the last argument
         step: DraftForward,  # one chained step: the carry [T, H] (or None) as the last argument
         logits: Callable[[torch.Tensor], torch.Tensor],  # out [n, H] -> [n, >= vocab] fp32
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None,  # out [n, H] -> logits' argmax [n] int64, cheaper
         layers: Sequence[CacheLayer],  # the drafter's attention layers (their backends build the metadata)
         num_speculative_tokens: int,
         vocab_size: int,
@@ -116,7 +120,6 @@ class DraftGraphs:
         max_blocks_per_req: int,
         max_seq_len: int,
         features: tuple[int, torch.dtype] | None,  # (F, dtype) of the entry features, or None
-        carry: tuple[int, torch.dtype] | None,  # (H, dtype) of the chain's carry, or None
         device: torch.device,
         capture: Capture,
     ):
@@ -131,16 +134,17 @@ class DraftGraphs:
         self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
         self.entry_qsl, self.entry_seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)
         self.entry_slots = torch.full((a * q,), -1, **i64)
-        self.ids, self.positions, self.limit = (torch.zeros(a, **i64) for _ in range(3))
-        self.carry = torch.zeros(a, carry[0], dtype=carry[1], device=device) if carry else None
-        self.query_start_loc, self.seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)
-        self.slot_mapping = torch.full((a,), -1, **i64)
+        steps = max(self.k - 1, 1)  # chain step j = 1 .. k-1 reads row j - 1 of these
+        self.positions = torch.zeros(steps, a, **i64)
+        self.query_start_loc, self.seq_lens = torch.zeros(a + 1, **i32), torch.zeros(steps, a, **i32)
+        self.slot_mapping = torch.full((steps, a), -1, **i64)
         self.request_rows = torch.full((a,), -1, **i32)  # stays -1: only state layers read it, drafters have none
-        self.drafts = torch.zeros(a, self.k, **i64)
+        self.drafts = torch.zeros(self.k, a, **i64)  # draft j of request i at [j, i]: step j + 1 reads row j
+        self.chain_steps = torch.arange(steps, **i64)[:, None]  # [k-1, 1]: 0 .. k-2
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
         self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
         self._replay: dict[tuple[int, bool], Callable[[], Any]] = {}  # (size, sampled) -> replay
-        self._entry, self._step, self._logits = entry, step, logits
+        self._entry, self._step, self._logits, self._argmax = entry, step, logits, argmax
         self._backends = {layer.backend.name: layer.backend for layer in layers}
         self._max_seq_len = max_seq_len
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -173,7 +177,7 @@ class DraftGraphs:
         self.entry_qsl[: lay.b + 1].copy_(host[lay.request(0)])
         self.entry_seq_lens[: lay.b].copy_(host[lay.request(1)])
         self.query_start_loc[: lay.b + 1].copy_(torch.arange(lay.b + 1))
-        self.seq_lens[: lay.b].fill_(1)
+        self.seq_lens[:, : lay.b].fill_(1)
 
     def _draft_fn(self, lay: _Layout, sampled: bool) -> Callable[[], None]:
         b, t, bs, vocab = lay.b, lay.t, self.block_size, self.vocab_size
@@ -185,55 +189,53 @@ class DraftGraphs:
         entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
         features = None if self.features is None else self.features[:t]
         entry_md = self._record(entry_qsl, entry_seq_lens, entry_slots, b, t, lay.q)
-        ids, positions, limit = self.ids[:b], self.positions[:b], self.limit[:b]
-        carry = None if self.carry is None else self.carry[:b]
-        qsl, seq_lens, slots = self.query_start_loc[: b + 1], self.seq_lens[:b], self.slot_mapping[:b]
-        drafts = self.drafts[:b]
-        chain_md = self._record(qsl, seq_lens, slots, b, b, 1)
+        # The chain's positions, seq lens and slots of every step are computed before its first step, and
+        # each step has its own metadata over its row: no bookkeeping kernels between the steps' forwards.
+        qsl, seq_lens, slots, positions = self.query_start_loc[: b + 1], self.seq_lens[:, :b], \
+            self.slot_mapping[:, :b], self.positions[:, :b]
+        chain_md = [self._record(qsl, seq_lens[j], slots[j], b, b, 1) for j in range(self.k - 1)]
+        drafts = self.drafts[:, :b]
         block_table, last_block = self.block_table[:b], self.block_table.shape[1] - 1
 
         def slot_of(rows: torch.Tensor, pos: torch.Tensor, writes: torch.Tensor) -> torch.Tensor:
             block = block_table[rows, (pos // bs).clamp(max=last_block)]
             return torch.where(writes, block.long() * bs + pos % bs, -1)
 
-        def pick(logits: torch.Tensor, j: int) -> None:  # logits [b, >= vocab] -> drafts[:, j] (and probs[:, j])
-            x = logits[:, :vocab]
+        def pick(out: torch.Tensor, j: int) -> None:  # out [b, H] -> drafts[j] (and probs[:, j])
             if not sampled:
-                torch.argmax(x, dim=-1, out=drafts[:, j])
+                if self._argmax is not None:
+                    drafts[j].copy_(self._argmax(out))
+                else:
+                    torch.argmax(self._logits(out)[:, :vocab], dim=-1, out=drafts[j])
                 return
-            x = apply_temperature(x.float(), temperature)  # as `pick_tokens`: T is 1 on greedy rows
+            x = apply_temperature(self._logits(out)[:, :vocab].float(), temperature)  # as `pick_tokens`: T 1 if greedy
             one_hot = torch.zeros_like(x).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
             q = torch.where((greedy_in != 0)[:, None], one_hot, x.softmax(dim=-1))
             probs[:, j].copy_(q)
-            drafts[:, j].copy_(random_sample(q, seeds, out_pos + j, rng.DRAFT))  # one-hot rows race to their argmax
+            drafts[j].copy_(random_sample(q, seeds, out_pos + j, rng.DRAFT))  # one-hot rows race to their argmax
 
         @torch.inference_mode()
         def draft() -> None:
             entry_qsl.copy_(qsl_in)
             entry_seq_lens.copy_(seq_lens_in)
             entry_slots.copy_(slot_of(req_in.clamp(min=0), pos_in, req_in >= 0))
-            out, nxt = self._entry(ids_in, pos_in, entry_md, features)
-            pick(self._logits(out[last]), 0)
+            out, carry = self._entry(ids_in, pos_in, entry_md, features)
+            pick(out[last], 0)
             if self.k == 1:
                 return
             real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
             qsl[1:].copy_(torch.cumsum(real, 0))
-            ids.copy_(drafts[:, 0])
-            positions.copy_(pos_in[last] + 1)
-            limit.copy_(positions + budget - 1)
+            # Step j feeds draft j at position last + j; a row feeds (and writes KV) only below last + budget.
+            pos = pos_in[last] + 1 + self.chain_steps  # [k-1, b]
+            feeds = real & (pos < pos_in[last] + budget)
+            seq_lens.copy_(torch.where(real, pos + 1, 0))
+            slots.copy_(slot_of(torch.arange(b, device=pos.device).expand_as(pos), pos, feeds))
+            positions.copy_(torch.where(feeds, pos, 0))
             if carry is not None:
-                carry.copy_(nxt[last])
-            rows = torch.arange(b, device=ids.device)
+                carry = carry[last]
             for j in range(1, self.k):
-                feeds = real & (positions < limit)
-                seq_lens.copy_(torch.where(real, positions + 1, 0))
-                slots.copy_(slot_of(rows, positions, feeds))
-                out, nxt = self._step(ids, torch.where(feeds, positions, 0), chain_md, carry)
-                pick(self._logits(out), j)
-                ids.copy_(drafts[:, j])
-                positions.add_(1)
-                if carry is not None:
-                    carry.copy_(nxt)
+                out, carry = self._step(drafts[j - 1], positions[j - 1], chain_md[j - 1], carry)
+                pick(out, j)
 
         return draft
 
@@ -308,4 +310,4 @@ class DraftGraphs:
             self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
         self._replay[size, sampling is not None]()
         probs = None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
-        return [row[:b] for row, b in zip(self.drafts[:n].tolist(), budgets, strict=True)], probs
+        return [row[:b] for row, b in zip(self.drafts[:, :n].T.tolist(), budgets, strict=True)], probs

@@ -138,11 +138,11 @@ class DraftModelProposer:
             return self._forward(ids, positions, md), None
 
         self.graphs = DraftGraphs(
-            entry=forward, step=forward, logits=self.model.compute_logits, layers=self.cache_layers,
+            entry=forward, step=forward, logits=self.model.compute_logits, argmax=None, layers=self.cache_layers,
             num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size, sizes=sizes,
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
             max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
-            features=None, carry=None, device=next(self.model.parameters()).device, capture=capture,
+            features=None, device=next(self.model.parameters()).device, capture=capture,
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

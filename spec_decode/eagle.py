@@ -31,6 +31,7 @@ EAGLE-3 (`yuhuili/EAGLE3-*`; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, vLLM 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -193,6 +194,15 @@ class Eagle3Head(nn.Module):
         out[:, self.draft_to_target] = draft_logits
         return out
 
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n] int64 target ids
+        """`compute_logits(hidden).argmax(-1)` without the scatter. Equal on ties only when draft ids ascend
+        with their target ids (`draft_vocab_ascends`), as they do in the published heads."""
+        return self.draft_to_target[compute_logits(self.lm_head, hidden).argmax(dim=-1)]
+
+    @property
+    def draft_vocab_ascends(self) -> bool:
+        return bool((self.draft_to_target[1:] > self.draft_to_target[:-1]).all())
+
 
 # ---------------------------------------------------------------------------------------------------
 # The proposer
@@ -245,6 +255,13 @@ class EagleProposer:
         if isinstance(self.head, Eagle3Head) and self.head.lm_head is not None:
             return self.head.compute_logits(out)
         return self.target.compute_logits(out)
+
+    def _greedy_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """EAGLE-3's argmax over its draft vocabulary, mapped to target ids (no scatter to the target's)."""
+        head = self.head
+        if isinstance(head, Eagle3Head) and head.lm_head is not None and head.draft_vocab_ascends:
+            return head.argmax
+        return None
 
     def _forward(self, ids, positions, md, features):  # `DraftForward` over the head's own features
         return self.head(self._embed(ids), features, positions, md)
@@ -302,16 +319,16 @@ class EagleProposer:
         if uncapturable_reason(self.head, backends) is not None:
             return
         multi_token = all(b.capabilities.cuda_graphs_multi_token for b in backends)
-        fc = self.head.fc.weight  # [H, fc input]: the carried feature is the head's output, H wide
+        fc = self.head.fc.weight  # [H, fc input]
         # The entry reads the target's features: EAGLE-3 its aux streams (fc's input), EAGLE-1 its hidden state.
         width = fc.shape[1] if isinstance(self.head, Eagle3Head) else fc.shape[0]
         self.graphs = DraftGraphs(
             entry=lambda ids, pos, md, feats: self._forward(ids, pos, md, self._head_features(feats)),
-            step=self._forward, logits=self._logits, layers=self.cache_layers,
+            step=self._forward, logits=self._logits, argmax=self._greedy_argmax(), layers=self.cache_layers,
             num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size, sizes=sizes,
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
             max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
-            features=(width, fc.dtype), carry=(fc.shape[0], fc.dtype), device=fc.device, capture=capture,
+            features=(width, fc.dtype), device=fc.device, capture=capture,
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

@@ -114,6 +114,29 @@ def test_graph_chain_drafts_what_the_eager_chain_drafts(kind, tiny_checkpoint, t
     assert any(len(d) < K for p, _ in proposals for d in p.values() if d)  # budgets below k were cut
 
 
+def test_eagle3_greedy_graph_drafts_argmax_its_draft_vocabulary(tiny_checkpoint, tmp_path):
+    """The graphs' greedy pick over EAGLE-3's draft vocabulary (no scatter to the target's) equals the argmax
+    of the scattered logits, ties included; a head whose draft ids do not ascend with their target ids (ties
+    could break differently) keeps the scatter."""
+    checkpoint = tiny_checkpoint("llama")
+    ids = sorted(random.Random(0).sample(range(V), 96))
+
+    def proposer(tensors, name):
+        head = write_eagle3(tmp_path / name, tensors, eagle_aux_hidden_state_layer_ids=[0, 1, 2])
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+        return LLM(str(checkpoint), device="cpu", speculative_config=spec, **KNOBS).engine.runner.proposer
+
+    ascending = proposer(eagle3_tensors(22, ids), "ascending")
+    hidden = torch.randn(64, ascending.head.fc.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    hidden[:8] = 0  # every draft logit equal: the tie goes to the lowest target id either way
+    want = ascending.head.compute_logits(hidden).argmax(dim=-1)
+    assert torch.equal(ascending._greedy_argmax()(hidden), want) and want[0] == ids[0]
+    shuffled, perm = eagle3_tensors(22, ids), list(ids)
+    random.Random(1).shuffle(perm)
+    shuffled["d2t"] = torch.tensor(perm) - torch.arange(len(perm))
+    assert proposer(shuffled, "shuffled")._greedy_argmax() is None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
 def test_prompt_chunks_of_at_most_k_plus_1_tokens_draft_from_the_graph(kind, tiny_checkpoint, tmp_path):
