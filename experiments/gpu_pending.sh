@@ -12,6 +12,9 @@
 # one-pass greedy drafts, the numpy-keyed rejection sampler (run `t1` and compare its verify ms with
 # spec_t1_graphs_h100.json on the same card kind, or run 082b9f0 from `git archive` in the same call), prompt
 # steps drafting from the graph (DraftGraphs.split), logprobs of verify steps, stop strings.
+# Session 7 ran `tests` and `t1` at d74876b on an H100 (the numpy-keyed rejection sampler measured: PERFORMANCE.md,
+# seventh pass) and `pytest -m gpu tests/spec_decode/test_draft_graphs.py` at 566079a. Still unchecked on a GPU:
+# `b1` (the prompt-step split on the reference target), Medusa's first-k heads, stop strings and n > 1 on CUDA.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
