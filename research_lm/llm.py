@@ -17,12 +17,23 @@ _KNOBS = {f.name for f in fields(EngineConfig)}
 
 
 class LLM:
-    """`LLM(model="tiny-llama", dtype="float32", block_size=16, ...)`; every knob is an `EngineConfig` field."""
+    """`LLM(model="tiny-llama", dtype="float32", block_size=16, ...)`; every knob is an `EngineConfig` field,
+    plus vLLM's `enforce_eager=True` (no CUDA graphs, no torch.compile) and `tensor_parallel_size` (1 only)."""
 
-    def __init__(self, model: str = "tiny-llama", **kwargs: Any):
+    def __init__(self, model: str = "tiny-llama", *, enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                 **kwargs: Any):
         unknown = sorted(set(kwargs) - _KNOBS)
         if unknown:
-            raise ValueError(f"unknown LLM argument(s) {unknown}; valid ones: {sorted(_KNOBS - {'model'})}")
+            valid = sorted((_KNOBS - {"model"}) | {"enforce_eager", "tensor_parallel_size"})
+            raise ValueError(f"unknown LLM argument(s) {unknown}; valid ones: {valid}")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not implemented "
+                             "(one GPU per engine; MoE experts shard over processes with torchrun, see the README)")
+        if enforce_eager:
+            forced = [k for k in ("cuda_graphs", "compile") if kwargs.get(k)]
+            if forced:
+                raise ValueError(f"enforce_eager=True contradicts {', '.join(f'{k}=True' for k in forced)}")
+            kwargs |= {"cuda_graphs": False, "compile": False}
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
 

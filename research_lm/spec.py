@@ -7,7 +7,9 @@ proposer and verifies what comes back next step.
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -65,8 +67,37 @@ _PROPOSER_MODULES: dict[str, str] = {
 }
 
 
+def speculative_method(speculative_config: dict[str, Any]) -> str | None:
+    """The config's "method"; without one, inferred from its "model" as vLLM does: "ngram" (or "[ngram]") names
+    itself; a head whose config.json lists an EAGLE-3 architecture, or whose name says EAGLE-3, is eagle3; one
+    with Medusa's `medusa_num_heads` is medusa; a name that says EAGLE is eagle (EAGLE-1 heads declare a plain
+    Llama architecture); any other model is a draft_model."""
+    method, model = speculative_config.get("method"), speculative_config.get("model")
+    if method is not None or model is None:
+        return method
+    if str(model) in ("ngram", "[ngram]"):
+        return "ngram"
+    from research_lm.models.loader import resolve_model_path
+
+    try:
+        config_file = resolve_model_path(str(model)) / "config.json"
+    except (OSError, ValueError):  # not loadable: the draft_model loader names the problem
+        config_file = None
+    config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
+    architectures = " ".join(config.get("architectures") or []).lower()
+    name = Path(str(model)).name.lower()
+    if "eagle3" in architectures or "eagle3" in name:
+        return "eagle3"
+    if "medusa_num_heads" in config or config.get("model_type") == "medusa":
+        return "medusa"
+    if "eagle" in architectures or "eagle" in name:
+        return "eagle"
+    return "draft_model"
+
+
 def build_proposer(speculative_config: dict[str, Any], target: Any) -> Proposer:
-    method = speculative_config.get("method")
+    method = speculative_method(speculative_config)
+    speculative_config = {**speculative_config, "method": method}
     if method not in _PROPOSER_MODULES:
         raise ValueError(f"unknown speculative method {method!r}; choose one of {sorted(_PROPOSER_MODULES)}")
     module_name, factory = _PROPOSER_MODULES[method].split(":")

@@ -93,6 +93,17 @@ def test_bad_arguments_name_the_field():
         LLM("tiny-llama", max_num_sequences=4)
     with pytest.raises(ValueError, match="neither an existing directory"):
         LLM("/nonexistent/checkpoint")
+    with pytest.raises(ValueError, match="enforce_eager=True contradicts cuda_graphs=True"):
+        LLM("tiny-llama", enforce_eager=True, cuda_graphs=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism is not implemented"):
+        LLM("tiny-llama", tensor_parallel_size=2)
+
+
+def test_enforce_eager_turns_graphs_and_compile_off():
+    """vLLM's switch: the same engine with neither CUDA graphs nor torch.compile."""
+    assert LLM("tiny-llama").config.cuda_graphs
+    config = LLM("tiny-llama", enforce_eager=True, tensor_parallel_size=1).config
+    assert not config.cuda_graphs and not config.compile
 
 
 def test_load_format_dummy_needs_only_a_config(tmp_path):

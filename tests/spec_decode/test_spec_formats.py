@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from research_lm import LLM, SamplingParams
 from research_lm.models import CheckpointError
+from research_lm.spec import speculative_method
 from tests.conftest import TINY_SHAPE
 
 H, V = TINY_SHAPE["hidden_size"], TINY_SHAPE["vocab_size"]
@@ -189,6 +190,23 @@ def test_published_layouts_load_and_draft(target, tmp_path):
     head = llm.engine.runner.proposer.heads
     assert len(head) == 4 and len(head[0]) == 2  # 4 heads of 1 ResBlock + lm_head
     torch.testing.assert_close(head[2][0].linear.bias, medusa_tensors(6)["2.0.linear.bias"].float())
+
+
+def test_method_is_inferred_from_the_model_as_vllm_does(target, tmp_path):
+    """No "method": an EAGLE-3 head by its architecture, Medusa by medusa_num_heads, EAGLE-1 (a plain Llama
+    config) by its name, "ngram" by itself, any other model as a draft model; then it drafts."""
+    eagle3 = write_eagle3(tmp_path / "head-a", eagle3_tensors(3, range(0, V, 2)),
+                          eagle_aux_hidden_state_layer_ids=[0, 1, 2])
+    eagle = write_eagle1(tmp_path / "EAGLE-tiny", eagle1_tensors(1))
+    medusa = write_medusa(tmp_path / "head-b", medusa_tensors(5))
+    plain_llama = write_eagle1(tmp_path / "head-c", eagle1_tensors(1))  # not named EAGLE: read as a draft model
+    cases = {str(eagle3): "eagle3", str(eagle): "eagle", str(medusa): "medusa", str(target): "draft_model",
+             str(plain_llama): "draft_model", "ngram": "ngram", "[ngram]": "ngram", "tiny-llama-eagle3": "eagle3"}
+    assert {m: speculative_method({"model": m}) for m in cases} == cases
+    assert speculative_method({"method": "eagle", "model": str(eagle3)}) == "eagle"  # an explicit method wins
+    llm, outs = _run(target, {"model": str(eagle3), "num_speculative_tokens": 3})
+    assert type(llm.engine.runner.proposer.head).__name__ == "Eagle3Head"
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
 def test_eagle3_default_aux_layers_follow_vllm(tiny_checkpoint, tmp_path):
