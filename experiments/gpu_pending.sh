@@ -2,7 +2,7 @@
 # GPU checks to repeat after a change to the runner, in one-H200 device calls (each block fits 10 minutes). From
 # the repository root (or a `git archive HEAD` copy of it), with hydra/omegaconf/flashinfer wheels installed and
 # RESEARCH_LM_COMMIT / BENCH_COMMIT set to the commit.
-#   bash experiments/gpu_pending.sh tests | match | t1 | b1
+#   bash experiments/gpu_pending.sh tests | match | t1 | b1 | tau
 # Session 4 (2026-11-25) ran both at 6e6bc1b / 89ff565, and the tables bench_decode, bench_throughput,
 # bench_decode_8b and attention_ablation_h200 (parts over two calls, --print-commands / --from-sweep), and the
 # attention_ablation preset at GPU size (113 s). Still never run on a GPU: the fa2 variant of mla_flashinfer.
@@ -47,5 +47,22 @@ case ${1:-tests} in
       grep -hE '"(mean_acceptance_length|speedup|tpot_ratio|draft_ms_per_step_median|verify_ms_per_step_median)"' \
         multirun/b1_$1/*/results.json
     done ;;
+  tau)  # issue 4's tau lever (PERFORMANCE.md, seventh pass): EAGLE-3 heads with ttt_steps 3 (the recipe) and 5 (= k)
+         # trained side by side on the reference target for 2000 steps each, then its batch-1 k = 5 greedy cells
+         # (3 seeds per head); ~9 min on one H100 when the target must be trained first
+    [ -d outputs/reference/target ] || TARGET_ONLY=1 bash experiments/train_reference.sh outputs/reference
+    mkdir -p outputs/tau
+    for t in 3 5; do
+      python -m research_lm experiment=train_eagle3 logger=jsonl train.batch_size=64 train.seq_len=512 \
+        train.corpus_bytes=null train.save_dtype=bfloat16 train.log_every=100 train.progress=false \
+        train.target=outputs/reference/target train.warmup_steps=50 train.steps=2000 train.eval_every=2000 \
+        train.save_every=2000 train.head.ttt_steps=$t train.output_dir=outputs/tau/eagle3_ttt$t > outputs/tau/ttt$t.log 2>&1 &
+    done
+    wait
+    python -m research_lm -m experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf \
+      model.name=outputs/reference/target spec=eagle3 spec.model=outputs/tau/eagle3_ttt3,outputs/tau/eagle3_ttt5 \
+      spec.num_speculative_tokens=5 workload.temperature=0.0 workload.max_tokens=48 runner.num_gpu_blocks=4096 \
+      runner.max_num_seqs=1 workload.num_requests=8 warmup_requests=1 seed=0,1,2 hydra.sweep.dir=multirun/tau
+    grep -hE '"(mean_acceptance_length|acceptance_rate_pos[0-4]|speedup)"' multirun/tau/*/results.json ;;
   *) echo "unknown block $1" >&2; exit 2 ;;
 esac
