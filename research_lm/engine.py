@@ -181,6 +181,9 @@ class LLMEngine:
             if params.n != 1:
                 raise ValueError(f"SamplingParams.n={params.n}: the engine takes one completion per request; "
                                  "LLM.generate runs n > 1 as n requests (SamplingParams.children)")
+            if bad := [t for t in params.token_ids_used() if t >= self.info.vocab_size]:
+                raise ValueError(f"SamplingParams.logit_bias / allowed_token_ids name token ids {bad[:5]} outside "
+                                 f"the vocabulary [0, {self.info.vocab_size})")
             if params.stop and self.tokenizer is None:
                 raise ValueError("SamplingParams.stop needs a tokenizer and this model has none; use stop_token_ids")
         except ValueError as e:

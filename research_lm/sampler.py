@@ -164,6 +164,12 @@ class SamplingBatch:
     # min_tokens: (row, token) pairs to ban; None when no row is below its min_tokens.
     banned_rows: torch.Tensor | None  # [N] int64
     banned_token_ids: torch.Tensor | None  # [N] int64
+    # logit_bias: (row, token, bias) triples; allowed_token_ids: (row, token) pairs; None when no row has them.
+    bias_rows: torch.Tensor | None  # [B] int64
+    bias_token_ids: torch.Tensor | None  # [B] int64
+    bias_values: torch.Tensor | None  # [B] float32
+    allowed_rows: torch.Tensor | None  # [A] int64
+    allowed_token_ids: torch.Tensor | None  # [A] int64
 
     @property
     def num_rows(self) -> int:
@@ -174,11 +180,21 @@ class SamplingBatch:
         return self.output_counts is None and self.seen_mask is None
 
     @property
+    def biased(self) -> bool:
+        """Some row has logit_bias or allowed_token_ids."""
+        return self.bias_rows is not None or self.allowed_rows is not None
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Every row takes argmax(raw logits): all greedy, and no penalty, min_tokens ban this step (a row below
+        min_tokens with nothing to ban counts as plain), logit_bias or allowed_token_ids moves it."""
+        return self.all_greedy and self.no_penalties and self.banned_rows is None and not self.biased
+
+    @property
     def argmax_only(self) -> bool:
-        """The sampler returns argmax(raw logits) and no logprobs: every row greedy, no penalty, no
-        min_tokens ban this step (a row below min_tokens with nothing to ban counts as plain), no
-        logprobs asked. A precomputed argmax (the decode CUDA graph's) may then stand in for it."""
-        return self.all_greedy and self.no_penalties and self.banned_rows is None and self.max_num_logprobs is None
+        """The sampler returns argmax(raw logits) and no logprobs (`plain_argmax`, no logprobs asked). A
+        precomputed argmax (the decode CUDA graph's) may then stand in for it."""
+        return self.plain_argmax and self.max_num_logprobs is None
 
     @cached_property
     def greedy_mask(self) -> torch.Tensor:  # [R] bool, built on first use (mixed batches)
@@ -232,6 +248,23 @@ class SamplingBatch:
             banned_rows += [i] * len(ids)
             banned_ids += ids
 
+        # logit_bias and allowed_token_ids, over the vocabulary (the engine refused ids outside it).
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        allowed_rows: list[int] = []
+        allowed_ids: list[int] = []
+        for i, sp in enumerate(params):
+            for t, b in (sp.logit_bias or {}).items():
+                if t < V:
+                    bias_rows.append(i)
+                    bias_ids.append(t)
+                    bias_values.append(b)
+            if sp.allowed_token_ids is not None:
+                ids = [t for t in sp.allowed_token_ids if t < V]
+                allowed_rows += [i] * len(ids)
+                allowed_ids += ids
+
         # Every per-row tensor some row uses, in one float and one int host -> device copy.
         any_count, any_seen = any(use_count), any(use_seen)
         floats = {
@@ -241,11 +274,16 @@ class SamplingBatch:
             "presence_penalty": [sp.presence_penalty for sp in params] if any_count else None,
             "frequency_penalty": [sp.frequency_penalty for sp in params] if any_count else None,
             "repetition_penalty": [sp.repetition_penalty for sp in params] if any_seen else None,
+            "bias_values": bias_values or None,
         }
         ints = {
             "top_k": top_k,
             "banned_rows": banned_rows or None,
             "banned_token_ids": banned_ids or None,
+            "bias_rows": bias_rows or None,
+            "bias_token_ids": bias_ids or None,
+            "allowed_rows": allowed_rows or None,
+            "allowed_token_ids": allowed_ids or None,
         }
         tensors = {**_upload(floats, torch.float32, device), **_upload(ints, torch.int64, device)}
 
@@ -315,6 +353,33 @@ def apply_min_tokens(
     logits = logits.clone()
     logits[banned_rows, banned_token_ids] = float("-inf")
     return logits
+
+
+def apply_allowed_token_ids(
+    logits: torch.Tensor,  # [R, V] float32
+    rows: torch.Tensor | None,  # [A] int64
+    token_ids: torch.Tensor | None,  # [A] int64
+) -> torch.Tensor:  # [R, V]
+    """A row named in `rows` keeps only its (row, token) pairs' logits; the rest of that row is -inf."""
+    if rows is None or token_ids is None:
+        return logits
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[rows, token_ids] = True
+    restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    restricted[rows] = True
+    return logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [R, V] float32
+    rows: torch.Tensor | None,  # [B] int64
+    token_ids: torch.Tensor | None,  # [B] int64
+    values: torch.Tensor | None,  # [B] float32
+) -> torch.Tensor:  # [R, V]
+    """logits[rows[n], token_ids[n]] += values[n]."""
+    if rows is None or token_ids is None or values is None:
+        return logits
+    return logits.index_put((rows, token_ids), values, accumulate=True)
 
 
 def apply_penalties(
@@ -397,9 +462,12 @@ def process_logits(
     logits: torch.Tensor,  # [R, V] raw model logits (any float dtype)
     batch: SamplingBatch,
 ) -> torch.Tensor:  # [R, V] float32, processed
-    """min_tokens -> penalties -> temperature -> min_p -> top-k/top-p (vLLM V1's order)."""
+    """allowed_token_ids -> min_tokens -> logit_bias -> penalties -> temperature -> min_p -> top-k/top-p
+    (vLLM V1's order)."""
     logits = logits.float()
+    logits = apply_allowed_token_ids(logits, batch.allowed_rows, batch.allowed_token_ids)
     logits = apply_min_tokens(logits, batch.banned_rows, batch.banned_token_ids)
+    logits = apply_logit_bias(logits, batch.bias_rows, batch.bias_token_ids, batch.bias_values)
     if not batch.no_penalties:
         logits = apply_penalties(logits, batch.output_counts, batch.seen_mask, batch.presence_penalty,
                                  batch.frequency_penalty, batch.repetition_penalty)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
@@ -26,12 +27,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per output token (plus the sampled one)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else but the mask
+    allowed_token_ids: list[int] | None = None  # sample only among these ids
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:  # JSON keys arrive as strings, as vLLM accepts them
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         checks = [
             ("n", isinstance(self.n, int) and self.n >= 1, "must be a positive integer"),
             ("temperature", self.temperature >= 0.0, "must be >= 0"),
@@ -47,6 +54,11 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative integers"),
+            ("logit_bias", all(t >= 0 and math.isfinite(b) for t, b in (self.logit_bias or {}).items()),
+             "must map non-negative token ids to finite floats"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+             "must be a non-empty list of non-negative integers"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -67,6 +79,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def biased(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change the logits (and so a greedy argmax)."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
+    def token_ids_used(self) -> list[int]:
+        """The ids logit_bias and allowed_token_ids name (the engine checks them against the vocabulary)."""
+        return [*(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def penalized(self) -> bool:

@@ -1,10 +1,10 @@
 """Verification of a speculative step's drafts: the tokens each request emits, with their logprobs.
 
-An all-greedy step without penalties or a min_tokens ban needs each row's argmax only (a decode graph's, when
-it has it): drafts are accepted while they equal it, then it is emitted. Any other step goes through the
-rejection sampler (`research_lm.spec.load_rejection_sampler`, vLLM's [B, k+1] rule) over the processed
-target distribution. Logprobs are the target's raw ones, from the row that emitted each token, as plain
-sampling returns them.
+An all-greedy step without penalties, a min_tokens ban, logit_bias or allowed_token_ids needs each row's
+argmax only (a decode graph's, when it has it): drafts are accepted while they equal it, then it is emitted.
+Any other step goes through the rejection sampler (`research_lm.spec.load_rejection_sampler`, vLLM's [B, k+1]
+rule) over the processed target distribution. Logprobs are the target's raw ones, from the row that emitted
+each token, as plain sampling returns them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def verify_drafts(
     drafts = [scheduled[i].spec_token_ids for i in reqs]
     q = [draft_probs.pop(scheduled[i].request.request_id, None) for i in reqs]
     emitted: list[list[int]] = [[] for _ in scheduled]
-    if batch.all_greedy and batch.no_penalties and batch.banned_rows is None:
+    if batch.plain_argmax:
         target = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)).tolist()
         row = 0
         for i, d in zip(reqs, drafts, strict=True):

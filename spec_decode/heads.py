@@ -220,13 +220,14 @@ class Drafting:
 
     def pick_rule(self, vocab_size: int) -> str | None:
         """How `pick_tokens` picks every draft of this step, where one rule that a draft graph replays serves
-        all drafting requests: "argmax" (all greedy, no penalty or min_tokens ban), "sample" (some request
-        samples, with a temperature and nothing else: no penalty, ban, top-k, top-p or min-p), else None.
+        all drafting requests: "argmax" (all greedy, no penalty, min_tokens ban, logit_bias or allowed ids),
+        "sample" (some request samples, with a temperature and nothing else: no penalty, ban, bias, top-k, top-p
+        or min-p), else None.
         A ban only shrinks as the position grows, so what holds at draft 1 holds for the rest of the chain.
         Logprobs do not matter: drafts never return them (`pick_tokens` ignores them too)."""
         rows = [self._row(a) for a in range(len(self.index))]
         batch = SamplingBatch.build(rows, vocab_size)
-        if not batch.no_penalties or batch.banned_rows is not None:
+        if not batch.no_penalties or batch.banned_rows is not None or batch.biased:
             return None
         if batch.all_greedy:
             return "argmax"

@@ -310,6 +310,8 @@ def test_penalties_match_reference():
     ([dict(), dict(presence_penalty=1.0, outputs=[4])], False),
     ([dict(frequency_penalty=1.0, outputs=[4])], False),
     ([dict(min_tokens=2, stop_token_ids=[4], ignore_eos=True, outputs=[4])], False),
+    ([dict(logit_bias={9: 1.0})], False),
+    ([dict(), dict(allowed_token_ids=[9, 11])], False),
 ])
 def test_argmax_only_says_when_the_sampler_is_the_raw_argmax(rows, argmax_only):
     """A precomputed argmax (the decode CUDA graph's) may stand in for the sampler exactly when
@@ -323,6 +325,27 @@ def test_argmax_only_says_when_the_sampler_is_the_raw_argmax(rows, argmax_only):
         assert torch.equal(out.token_ids, logits.argmax(-1)) and out.logprobs is None
     elif all(r.sampling_params.greedy and r.sampling_params.logprobs is None for r in reqs):
         assert 9 in out.token_ids.tolist()  # the penalty or the ban moved a row off the raw argmax
+
+
+def test_logit_bias_and_allowed_token_ids_follow_vllm():
+    """allowed_token_ids masks every other token before the bias (a biased token outside the allowed set stays
+    out); logit_bias adds to the raw logit; other rows of the batch are untouched."""
+    logits = rand_logits(3, seed=7)
+    reqs = [make_req(0, temperature=0.0, logit_bias={5: 100.0}),
+            make_req(1, temperature=0.0, allowed_token_ids=[2, 6, 30], logit_bias={7: 100.0, 6: 0.5}),
+            make_req(2, temperature=0.0)]
+    batch = SamplingBatch.build(reqs, V)
+    processed = process_logits(logits, batch)
+    assert processed[0, 5] == logits[0, 5] + 100.0 and torch.equal(processed[0, :5], logits[0, :5])
+    allowed = torch.full((V,), float("-inf"))
+    allowed[[2, 6, 30]] = logits[1, [2, 6, 30]]
+    allowed[6] += 0.5
+    assert torch.equal(processed[1], allowed)
+    assert torch.equal(processed[2], logits[2])
+    out, _ = sample(logits, reqs)
+    assert out.token_ids.tolist() == [5, int(allowed.argmax()), int(logits[2].argmax())]
+    sampled = [make_req(s, temperature=1.5, allowed_token_ids=[1, 3]) for s in range(64)]
+    assert set(sample(rand_logits(64, seed=1), sampled)[0].token_ids.tolist()) == {1, 3}
 
 
 def test_no_penalty_fast_path_builds_no_tensors():
@@ -428,6 +451,10 @@ def test_compute_probs_greedy_one_hot_and_random_normalised():
         ("logprobs", -1),
         ("stop_token_ids", [-1]),
         ("max_tokens", 0),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: float("inf")}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [-2]),
     ],
 )
 def test_sampling_params_validation_names_the_field(field, value):

@@ -42,6 +42,22 @@ def test_too_long_prompt_fails_alone(llm):
     assert all(o.error is None for o in outs[1:])
 
 
+def test_logit_bias_and_allowed_token_ids(llm):
+    """vLLM's fields: a large bias forces its token; allowed ids bound sampling; ids outside the vocabulary
+    fail that request alone, naming the field."""
+    forced = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                       logit_bias={"9": 100.0}), use_tqdm=False)
+    assert forced[0].outputs[0].token_ids == [9, 9, 9, 9]
+    outs = llm.generate([[5, 6, 7], [1, 2], [8]], [
+        SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3, allowed_token_ids=[11, 12, 13]),
+        SamplingParams(temperature=0, max_tokens=2, logit_bias={10**6: 1.0}),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)], use_tqdm=False)
+    assert set(outs[0].outputs[0].token_ids) <= {11, 12, 13} and len(outs[0].outputs[0].token_ids) == 8
+    assert outs[1].outputs[0].finish_reason == "error" and "logit_bias / allowed_token_ids" in outs[1].error
+    plain = llm.generate([[8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
 def test_max_model_len_stops_generation(llm):
     out = llm.generate([[3] * 120], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        use_tqdm=False)[0]

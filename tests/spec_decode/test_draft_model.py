@@ -107,6 +107,23 @@ def test_target_as_draft_with_penalties_accepts_everything(baseline):
         assert o.metrics.num_draft_tokens > 0 and o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens
 
 
+def test_target_as_draft_with_logit_bias_and_allowed_ids_accepts_everything(baseline):
+    """logit_bias and allowed_token_ids change p and q alike: the drafter's rows apply them as the verifier's do,
+    so the target drafting for itself is never rejected, and greedy output equals plain decoding's."""
+    path, prompts, _ = baseline
+    allowed = list(range(0, 64, 3))
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed,
+                             logit_bias={allowed[1]: 2.0, allowed[4]: -3.0}),
+              SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=7, logit_bias={allowed[2]: 1.5})]
+    _, outs = _generate(path, path, prompts[:2], params, num_gpu_blocks=128, max_num_batched_tokens=64)
+    plain = LLM(str(path), **{**KNOBS, "num_gpu_blocks": 128, "max_num_batched_tokens": 64}).generate(
+        prompts[:1], params[:1], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert set(outs[0].outputs[0].token_ids) <= set(allowed)
+    for o in outs:
+        assert o.metrics.num_draft_tokens > 0 and o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens
+
+
 def test_always_wrong_draft_gives_tau_1(baseline, tmp_path):
     path, prompts, want = baseline
     draft = _variant(path, tmp_path / "negated", lambda k, v: -v if k == "lm_head.weight" else v)
