@@ -166,7 +166,7 @@ def host_uniform(keys: np.ndarray) -> np.ndarray:  # uint64 keys -> float32: col
     return (z.astype(np.float32) + np.float32(2**22 + 0.5)) * np.float32(2.0**-23)
 
 
-def words(keys: torch.Tensor, n: int) -> torch.Tensor:  # [R] int64 -> [R, n] int64
+def _words(keys: torch.Tensor, n: int) -> torch.Tensor:  # [R] int64 -> [R, n] int64
     """SplitMix64 outputs 1..n of each row's key (`row_keys`), where keys live."""
     cols = torch.arange(1, n + 1, dtype=torch.int64, device=keys.device)  # [n]
     z = torch.add(keys[:, None], cols[None, :], alpha=int64_bits(_GAMMA))  # key + (col + 1) * GAMMA
@@ -177,7 +177,7 @@ def _bits(
     seeds: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor, stream: int | torch.Tensor,
     n: int, device: torch.device | str,
 ) -> torch.Tensor:  # [R, n] int64: SplitMix64 outputs 1..n of each row's key
-    return words(to_device(row_keys(seeds, positions, stream), torch.int64, device), n)
+    return _words(to_device(row_keys(seeds, positions, stream), torch.int64, device), n)
 
 
 def uniform_rows(
@@ -210,7 +210,7 @@ def exponential_from_keys(keys: torch.Tensor, n: int) -> torch.Tensor:  # [R] in
     float64 keeps small variates exact: in the exponential race a token of probability p wins with
     q ~ p, and a 24-bit u would resolve q only to 6e-8, under-sampling tokens with p below ~1e-7.
     """
-    z = words(keys, n)
+    z = _words(keys, n)
     z >>= 12  # arithmetic: a uniform integer in [-2^51, 2^51)
     u = z.to(torch.float64).mul_(2.0**-52).add_(0.5 + 2.0**-53)  # exact: (2k + 1) / 2^53 < 1
     return u.log_().neg_().to(torch.float32)

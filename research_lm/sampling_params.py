@@ -80,11 +80,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    @property
-    def biased(self) -> bool:
-        """Whether logit_bias or allowed_token_ids change the logits (and so a greedy argmax)."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
-
     def token_ids_used(self) -> list[int]:
         """The ids logit_bias and allowed_token_ids name (the engine checks them against the vocabulary)."""
         return [*(self.logit_bias or {}), *(self.allowed_token_ids or [])]

@@ -7,7 +7,6 @@ proposer and verifies what comes back next step.
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,12 +77,12 @@ def speculative_method(speculative_config: dict[str, Any]) -> str | None:
     if str(model) in ("ngram", "[ngram]"):
         return "ngram"
     from research_lm.models.loader import resolve_model_path
+    from spec_decode.heads import read_json_config
 
     try:
-        config_file = resolve_model_path(str(model)) / "config.json"
-    except (OSError, ValueError):  # not loadable: the draft_model loader names the problem
-        config_file = None
-    config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
+        config = read_json_config(resolve_model_path(str(model)))
+    except ValueError:  # missing or unreadable: the draft_model loader names the problem
+        config = {}
     architectures = " ".join(config.get("architectures") or []).lower()
     name = Path(str(model)).name.lower()
     if "eagle3" in architectures or "eagle3" in name:

@@ -120,9 +120,7 @@ class NgramStepProposer:
         # `emitted` is not yet appended to the requests; a request that emitted nothing (a prompt
         # chunk short of the end) gets no drafts.
         live = [(r, e) for r, e in zip(outcome.requests, outcome.emitted, strict=True) if e]
-        ng = self.ngram
-        drafts = find_ngram_proposals([self._tokens.get(r, e) for r, e in live], ng.prompt_lookup_min,
-                                      ng.prompt_lookup_max, ng.num_speculative_tokens)
+        drafts = self.ngram.propose([self._tokens.get(r, e) for r, e in live])
         token_ids = {r.request_id: [] for r in outcome.requests}
         token_ids.update({r.request_id: d for (r, _), d in zip(live, drafts)})
         return Proposal(token_ids)
