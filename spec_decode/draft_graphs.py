@@ -110,6 +110,13 @@ class DraftSampling:
     positions: list[int]
 
 
+def _copy_async(dst: torch.Tensor, src: np.ndarray) -> None:
+    """Host -> device through pinned memory: a pageable copy would wait for the stream (for the verify forward
+    still running when drafting launches before the sync)."""
+    host = torch.from_numpy(src)
+    dst.copy_(host.pin_memory() if dst.is_cuda else host, non_blocking=True)
+
+
 class DraftGraphs:
     def __init__(
         self,
@@ -344,9 +351,9 @@ class DraftGraphs:
             request(7)[:n] = sampling.greedy
             temperature = np.ones(size, dtype=np.float32)
             temperature[:n] = sampling.temperature
-            self.temperature[:size].copy_(torch.from_numpy(temperature))
+            _copy_async(self.temperature[:size], temperature)
         staged = self.staging[: lay.size]
-        staged.copy_(torch.from_numpy(host))
+        _copy_async(staged, host)
         if accepted is not None:
             staged[lay.token(0)][:num_tokens].copy_(tokens)
             staged[lay.request(2)][:n].add_(accepted)
