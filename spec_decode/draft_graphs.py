@@ -110,13 +110,6 @@ class DraftSampling:
     positions: list[int]
 
 
-def _copy_async(dst: torch.Tensor, src: np.ndarray) -> None:
-    """Host -> device through pinned memory: a pageable copy would wait for the stream (for the verify forward
-    still running when drafting launches before the sync)."""
-    host = torch.from_numpy(src)
-    dst.copy_(host.pin_memory() if dst.is_cuda else host, non_blocking=True)
-
-
 class DraftGraphs:
     def __init__(
         self,
@@ -351,9 +344,9 @@ class DraftGraphs:
             request(7)[:n] = sampling.greedy
             temperature = np.ones(size, dtype=np.float32)
             temperature[:n] = sampling.temperature
-            _copy_async(self.temperature[:size], temperature)
+            self.temperature[:size].copy_(torch.from_numpy(temperature))
         staged = self.staging[: lay.size]
-        _copy_async(staged, host)
+        staged.copy_(torch.from_numpy(host))
         if accepted is not None:
             staged[lay.token(0)][:num_tokens].copy_(tokens)
             staged[lay.request(2)][:n].add_(accepted)
