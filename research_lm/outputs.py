@@ -38,9 +38,7 @@ class RunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for next step
     # Host wall time of the step's two speculative phases (None when the phase did not run): verify =
     # input prep + target forward + rejection sampling of a step whose batch verified drafts, up to the
-    # `.tolist()` of the emitted tokens; draft = the proposer's `propose` call. Drafting launched before that
-    # sync (`Proposer.propose_after_greedy_verify`) counts its device span (CUDA events; the host span off
-    # CUDA) and the host's finish as draft, and the rest of the step as verify.
+    # `.tolist()` of the emitted tokens; draft = the proposer's `propose` call.
     verify_ms: float | None = None
     draft_ms: float | None = None
 

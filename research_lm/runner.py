@@ -5,9 +5,7 @@ sample or verify → propose. `launch` enqueues a plain-decoding step and return
 device; `collect` waits for its tokens (the step's one sync), so the engine can prepare and launch the next
 step while this one runs (async scheduling). Tokens the next step needs before they reach the host
 (`PLACEHOLDER`s in its input) are copied on the device from the launched step's sampled ids.
-Speculative steps run whole inside `launch` (drafting needs the emitted tokens). A greedy verify step under a
-graph, with a proposer that can (`propose_after_greedy_verify`), launches its drafting before its one sync: the
-accepted counts come from the graph's argmax on the device, and the drafts reach the host with the emitted tokens.
+Speculative steps run whole inside `launch` (drafting needs the emitted tokens).
 A decode or verify step covered by a CUDA graph replays forward, logits and their argmax in one graph;
 an all-greedy decode batch without penalties, min_tokens or logprobs then takes the graph's argmax as its
 tokens (one replay, one device -> host copy of the ids), and an all-greedy verify step checks its drafts
@@ -38,7 +36,7 @@ from research_lm.request import PLACEHOLDER
 from research_lm.rng import to_device
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from research_lm.spec import Proposal, Proposer, StepOutcome
-from research_lm.verification import greedy_accept_counts, verification_batch, verify_drafts
+from research_lm.verification import verify_drafts
 
 
 class RequestRows:
@@ -114,8 +112,6 @@ class ModelRunner:
         self._host_ids = HostIds(max_num_batched_tokens, device)
         # Fires when a step's inputs have left the pinned host buffers, which the next step overwrites.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
-        # Around drafting launched before a verify step's sync: its device time (`_draft_before_sync`).
-        self._draft_events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
         if proposer is not None and proposer.aux_hidden_state_layers:
             model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
 
@@ -193,63 +189,31 @@ class ModelRunner:
         else:  # [num_sample_rows, vocab]
             logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         scheduled = sched.scheduled
-        outcome = StepOutcome(
-            requests=[s.request for s in scheduled], emitted=None, input_ids=input_ids, positions=positions,
-            query_start_loc_cpu=common.query_start_loc_cpu, hidden_states=hidden, aux_hidden_states=aux,
-            num_rejected=[0] * len(scheduled), common=common, attn_metadata=attn_metadata,
-        )
-        drafted = None  # drafting launched before the step's sync: (finish, its span in ms)
         if not any(s.spec_token_ids for s in scheduled):
             pending = self._launch_sampling(sched, sample_rows, logits, greedy_ids)
             if self.proposer is None:
                 return pending
-            output = self.collect(pending)
+            output, num_rejected = self.collect(pending), [0] * len(scheduled)
         else:
-            batch = verification_batch(scheduled, sample_rows, self.vocab_size, self.device)
-            if greedy_ids is not None and logits_indices is None and batch.plain_argmax:
-                drafted = self._draft_before_sync(outcome, greedy_ids)
-            emitted, outcome.num_rejected, logprobs = verify_drafts(
-                scheduled, sample_rows, logits, greedy_ids, self.draft_probs, self.vocab_size, self.device, batch)
+            emitted, num_rejected, logprobs = verify_drafts(scheduled, sample_rows, logits, greedy_ids,
+                                                            self.draft_probs, self.vocab_size, self.device)
             output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
                                   logprobs=logprobs, num_draft_tokens=[len(s.spec_token_ids) for s in scheduled])
             output.verify_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
-        outcome.emitted = output.sampled_token_ids
-        if drafted is None:
-            proposal: Proposal = self.proposer.propose(outcome)
-            # Model-based proposers end in the `.tolist()` of their drafts (a sync) and ngram runs on the
-            # host; only a step that drafts nothing may leave EAGLE's KV writes to the next step's span.
-            output.draft_ms = (time.perf_counter() - t1) * 1e3
-        else:  # the drafts ran before verification's sync: the step's time splits at their span
-            finish, span = drafted
-            proposal = finish(output.sampled_token_ids)
-            draft_ms = span()
-            output.draft_ms = draft_ms + (time.perf_counter() - t1) * 1e3
-            output.verify_ms -= draft_ms
+        outcome = StepOutcome(
+            requests=[s.request for s in scheduled], emitted=output.sampled_token_ids, input_ids=input_ids,
+            positions=positions, query_start_loc_cpu=common.query_start_loc_cpu,
+            hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected, common=common,
+            attn_metadata=attn_metadata,
+        )
+        proposal: Proposal = self.proposer.propose(outcome)
+        # Model-based proposers end in the `.tolist()` of their drafts (a sync) and ngram runs on the
+        # host; only a step that drafts nothing may leave EAGLE's KV writes to the next step's span.
+        output.draft_ms = (time.perf_counter() - t1) * 1e3
         output.draft_token_ids = proposal.token_ids
         self.draft_probs.update(proposal.probs)
         return PendingStep(sched, output=output)
-
-    def _draft_before_sync(self, outcome: StepOutcome, greedy_ids: torch.Tensor):
-        """Launch greedy drafting from a greedy verify step's device results, ahead of the step's one sync
-        (`Proposer.propose_after_greedy_verify`): (finish, ms of the drafting: the device span between two
-        events once synced, or the host span off CUDA), or None where the proposer cannot."""
-        launch = getattr(self.proposer, "propose_after_greedy_verify", None)
-        if launch is None:
-            return None
-        started, events = time.perf_counter(), self._draft_events
-        if events is not None:
-            events[0].record()
-        accepted = greedy_accept_counts(self.buffers.input_ids.gpu, greedy_ids, outcome.common.query_start_loc,
-                                        self.proposer.num_speculative_tokens)
-        finish = launch(outcome, greedy_ids, accepted)
-        if finish is None:
-            return None
-        if events is None:
-            host_ms = (time.perf_counter() - started) * 1e3
-            return finish, lambda: host_ms
-        events[1].record()
-        return finish, lambda: events[0].elapsed_time(events[1])
 
     def _launch_sampling(
         self,

@@ -22,9 +22,7 @@ class StepOutcome:
     """What the target produced this step, for the proposer to draft from."""
 
     requests: list[Request]  # scheduled requests in batch order
-    # Tokens each request emitted this step (not yet appended to the request); None while verification's
-    # result is still on the device (`propose_after_greedy_verify`).
-    emitted: list[list[int]] | None
+    emitted: list[list[int]]  # tokens each request emitted this step (not yet appended to the request)
     input_ids: torch.Tensor  # [num_tokens] the flat batch fed to the target
     positions: torch.Tensor  # [num_tokens]
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
@@ -46,12 +44,7 @@ class Proposer(Protocol):
     """Optional attributes the runner/engine read with getattr: `cache_layers` (the drafter's
     `CacheLayer`s, allocated with the target's and sharing its block tables) and
     `num_lookahead_tokens` (KV slots the drafter writes past the verified tokens) and
-    `needs_last_hit_block_recomputed` (its cached rows depend on the token after them: EAGLE), and the method
-    `propose_after_greedy_verify(outcome, target_ids, accepted)`: for a step whose every token row is a
-    verify row and whose every request is plain greedy, launch the drafting from the target's argmax at
-    each row ([T], device) and the drafts each request accepted ([n], device) before the host knows them
-    (outcome.emitted is None), and return `finish(emitted) -> Proposal`, which the runner calls after its
-    sync; or None to be asked `propose` instead. It must propose what `propose` would."""
+    `needs_last_hit_block_recomputed` (its cached rows depend on the token after them: EAGLE)."""
 
     num_speculative_tokens: int
     # Target layers whose input residual streams the proposer consumes (EAGLE-3); () for none.

@@ -2,10 +2,9 @@
 
 An all-greedy step without penalties, a min_tokens ban, logit_bias or allowed_token_ids needs each row's
 argmax only (a decode graph's, when it has it): drafts are accepted while they equal it, then it is emitted.
-`greedy_accept_counts` is the same rule on the device, for a proposer that drafts before the host knows the
-result (`Proposer.propose_after_greedy_verify`). Any other step goes through the rejection sampler
-(`research_lm.spec.load_rejection_sampler`, vLLM's [B, k+1] rule) over the processed target distribution.
-Logprobs are the target's raw ones, from the row that emitted each token, as plain sampling returns them.
+Any other step goes through the rejection sampler (`research_lm.spec.load_rejection_sampler`, vLLM's [B, k+1]
+rule) over the processed target distribution. Logprobs are the target's raw ones, from the row that emitted
+each token, as plain sampling returns them.
 """
 
 from __future__ import annotations
@@ -18,35 +17,6 @@ from research_lm.sampler import SamplingBatch, SamplingRow, compute_probs, gathe
 from research_lm.spec import load_rejection_sampler
 
 
-def verification_batch(
-    scheduled: list[ScheduledRequest],
-    sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
-    vocab_size: int,
-    device: torch.device,
-) -> SamplingBatch:
-    """The sampling rows of a verify step: row (i, j) is request i's next token after its first j drafts."""
-    rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
-    return SamplingBatch.build(rows, vocab_size, device)
-
-
-def greedy_accept_counts(
-    input_ids: torch.Tensor,  # [>= T + 1] the step's token rows on the device: each request's newest token, its drafts
-    target_ids: torch.Tensor,  # [T] the target's argmax at every token row
-    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32 on the device
-    num_speculative_tokens: int,
-) -> torch.Tensor:  # [num_reqs] int64: drafts each request accepts
-    """What the greedy rule below accepts, on the device (no sync), for a step whose token rows are all verify
-    rows (a request's rows: its newest token, then its drafts): draft j + 1 sits at row start + j + 1 and is
-    accepted while it equals the target's argmax at row start + j."""
-    k = num_speculative_tokens
-    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
-    j = torch.arange(k, device=input_ids.device)
-    rows = starts[:, None] + j  # [n, k]
-    has_draft = rows + 1 < ends[:, None]
-    match = (input_ids[torch.where(has_draft, rows + 1, 0)] == target_ids[torch.where(has_draft, rows, 0)]) & has_draft
-    return match.long().cumprod(dim=1).sum(dim=1)
-
-
 def verify_drafts(
     scheduled: list[ScheduledRequest],
     sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
@@ -55,12 +25,11 @@ def verify_drafts(
     draft_probs: dict[str, torch.Tensor],  # request id -> [k, vocab] q of its drafts; verified ones are popped
     vocab_size: int,
     device: torch.device,
-    batch: SamplingBatch | None = None,  # `verification_batch`, when the caller built it already
 ) -> tuple[list[list[int]], list[int], list[list[dict[int, Logprob]]] | None]:
     """Per scheduled request: the tokens it emits, how many drafts it rejected, and (where some request
     asks for logprobs) the emitted tokens' logprobs."""
-    if batch is None:
-        batch = verification_batch(scheduled, sample_rows, vocab_size, device)
+    rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
+    batch = SamplingBatch.build(rows, vocab_size, device)
     reqs = sorted({i for i, _ in sample_rows})
     drafts = [scheduled[i].spec_token_ids for i in reqs]
     q = [draft_probs.pop(scheduled[i].request.request_id, None) for i in reqs]

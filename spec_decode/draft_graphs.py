@@ -31,18 +31,11 @@ Persistent buffers, allocated once for the largest size A (a replay reads them w
                                    budget: the scheduler allocated slots for the drafts the request asked for,
                                    no more. Step j reads draft j as its ids and (EAGLE) the previous step's
                                    output as its feature, in place: no copies between the steps' forwards
-    drafts [k, A] int64            drafts 1 .. k of each request (row j: draft j + 1); `host_drafts` is its
-                                   pinned host copy for `run_after_greedy_verify`
+    drafts [k, A] int64            drafts 1 .. k of each request (row j: draft j + 1)
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
 Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
 writing no KV; their drafts are dropped on the host.
-
-Greedy drafting after a greedy verify step need not wait for the host (`run_after_greedy_verify`): the entry
-runs over every verify row, fed the target's argmax, and the accepted counts (`greedy_accept_counts`, on the
-device) move each request's last row and budget before the replay. Rows past the accepted ones write KV at
-positions the chain, or the next step's entry, writes again before anything reads them. The step's one sync,
-the emitted tokens', then brings the drafts with it.
 
 Used when a pick rule serves every drafting request (no penalties or min_tokens ban; with sampling no
 top-k, top-p or min-p; logprobs do not matter, drafts never return them) and the batch fits the largest
@@ -147,8 +140,6 @@ class DraftGraphs:
         self.slot_mapping = torch.full((steps, a), -1, **i64)
         self.request_rows = torch.full((a,), -1, **i32)  # stays -1: only state layers read it, drafters have none
         self.drafts = torch.zeros(self.k, a, **i64)  # draft j of request i at [j, i]: step j + 1 reads row j
-        # Where `run_after_greedy_verify` copies the drafts without a sync.
-        self.host_drafts = torch.zeros(self.k, a, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.chain_steps = torch.arange(steps, **i64)[:, None]  # [k-1, 1]: 0 .. k-2
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
         self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
@@ -281,39 +272,6 @@ class DraftGraphs:
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
         sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
     ) -> tuple[list[list[int]], torch.Tensor | None]:  # per request drafts 1 .. budget; "sample": q [n, k, V]
-        n = len(lens)
-        self._launch(block_table, rows, tokens, starts, lens, budgets, features, feature_rows, sampling)
-        probs = None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
-        return [row[:b] for row, b in zip(self.drafts[:, :n].T.tolist(), budgets, strict=True)], probs
-
-    @torch.inference_mode()
-    def run_after_greedy_verify(
-        self,
-        block_table: torch.Tensor,
-        rows: Sequence[int],
-        target_ids: torch.Tensor,  # [T] (device) the target's argmax at each verify row: the entry rows' tokens
-        accepted: torch.Tensor,  # [n] (device) drafts each request accepted: its last entry row is start + accepted
-        starts: Sequence[int],  # [n] position of each request's first verify row
-        lens: Sequence[int],  # [n] its verify rows (newest token + drafts)
-        rooms: Sequence[int],  # [n] its draft budget when it accepts nothing, before clamping to [0, k]
-        features: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        feature_rows: Sequence[int] | None = None,
-    ) -> torch.Tensor:  # [k, n] int64: draft j + 1 of request i at [j, i], on the host once the stream passes
-        """Greedy drafting launched before the host knows what verification accepted: the entry runs over every
-        verify row, fed the target's argmax (the tokens the accepted rows emit; rows past a request's accepted
-        ones compute what the chain or the next step overwrites), draft 1 comes from row start + accepted, and
-        the budget shrinks by accepted. Nothing syncs: the drafts are copied to pinned host memory, valid once
-        the stream reaches this point (after the caller's next sync)."""
-        n = len(lens)
-        self._launch(block_table, rows, target_ids, starts, lens, rooms, features, feature_rows, None, accepted)
-        host = self.host_drafts[:, :n]
-        host.copy_(self.drafts[:, :n], non_blocking=True)
-        return host
-
-    def _launch(self, block_table, rows, tokens, starts, lens, budgets, features, feature_rows, sampling,
-                accepted: torch.Tensor | None = None) -> None:
-        """Stage one step's inputs in one host -> device copy and replay. With `accepted` (device), `tokens` is a
-        device tensor and each request's last row and budget move by what it accepted, on the device."""
         n, num_tokens = len(lens), len(tokens)
         size = self.padded_size(n)
         assert size is not None and max(lens) <= self.query_len and (features is None) == (self.features is None)
@@ -322,8 +280,7 @@ class DraftGraphs:
         ends = np.cumsum(lens_np)
         host = np.zeros(lay.size, dtype=np.int64)
         token, request = (lambda i: host[lay.token(i)]), (lambda i: host[lay.request(i)])
-        if accepted is None:
-            token(0)[:num_tokens] = tokens
+        token(0)[:num_tokens] = tokens
         req_of_token = np.repeat(np.arange(n), lens_np)
         offset = np.asarray(starts) - (ends - lens_np)  # position - token index, per request
         token(1)[:num_tokens] = np.arange(num_tokens) + offset[req_of_token]
@@ -334,7 +291,7 @@ class DraftGraphs:
         request(0)[1 : n + 1] = ends
         request(0)[n + 1 :] = num_tokens
         request(1)[:n] = np.asarray(starts) + lens_np
-        request(2)[:n] = ends - (lens_np if accepted is not None else 1)  # with accepted: the first row, moved below
+        request(2)[:n] = ends - 1
         request(3)[:n] = budgets
         request(4)[:n] = rows
         request(7)[:] = 1  # padding rows are greedy
@@ -347,13 +304,10 @@ class DraftGraphs:
             self.temperature[:size].copy_(torch.from_numpy(temperature))
         staged = self.staging[: lay.size]
         staged.copy_(torch.from_numpy(host))
-        if accepted is not None:
-            staged[lay.token(0)][:num_tokens].copy_(tokens)
-            staged[lay.request(2)][:n].add_(accepted)
-            budget = staged[lay.request(3)][:n]
-            budget.copy_((budget - accepted).clamp(min=0, max=self.k))
         cols = min(block_table.shape[1], self.block_table.shape[1])
         self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
         if features is not None:
             self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
         self._replay[size, sampling is not None]()
+        probs = None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
+        return [row[:b] for row, b in zip(self.drafts[:, :n].T.tolist(), budgets, strict=True)], probs

@@ -60,7 +60,6 @@ from spec_decode.heads import (
     check_names,
     check_shape,
     draft_metadata,
-    draft_room,
     expected_checkpoint_names,
     head_dir,
     llama_like_config,
@@ -312,31 +311,6 @@ class EagleProposer:
         last_pos = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
         drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last])
         return drafting.proposal(reqs)
-
-    def propose_after_greedy_verify(
-        self, outcome: StepOutcome, target_ids: torch.Tensor, accepted: torch.Tensor
-    ) -> Callable[[list[list[int]]], Proposal] | None:
-        """`research_lm.spec.Proposer.propose_after_greedy_verify`: the whole step from the draft graph, with the
-        verify rows as the entry (x[t+1] of an accepted row t is the target's argmax at t)."""
-        n = len(outcome.requests)
-        if self.graphs is None or not self.graphs.serves(n) or self.graphs.query_len < self.num_speculative_tokens + 1:
-            return None
-        qsl = outcome.query_start_loc_cpu.tolist()
-        starts = outcome.common.num_computed_tokens_cpu.tolist()
-        lens = [qsl[i + 1] - qsl[i] for i in range(n)]
-        host = self.graphs.run_after_greedy_verify(
-            outcome.common.block_table, range(n), target_ids, accepted, starts, lens,
-            [draft_room(r, self.max_model_len) - 2 for r in outcome.requests],
-            features=lambda rows: self._target_features(outcome, rows), feature_rows=range(qsl[-1]),
-        )
-
-        def finish(emitted: list[list[int]]) -> Proposal:
-            drafting = start_drafting(outcome.requests, emitted, self.num_speculative_tokens, self.max_model_len)
-            drafts = host.T.tolist()
-            drafting.take(drafting.index, [drafts[i][:b] for i, b in zip(drafting.index, drafting.budget, strict=True)])
-            return drafting.proposal(outcome.requests)
-
-        return finish
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
                             max_blocks_per_req: int) -> None:

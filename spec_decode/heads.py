@@ -149,20 +149,15 @@ def token_span(req: Request, emitted: Sequence[int], start: int, end: int) -> li
     return out
 
 
-def draft_room(req: Request, max_model_len: int) -> int:
-    """Tokens the request may still emit (max_model_len and max_tokens), before this step's."""
-    room = max_model_len - req.num_tokens
-    max_tokens = req.sampling_params.max_tokens
-    if max_tokens is not None:
-        room = min(room, max_tokens - req.num_output_tokens)
-    return room
-
-
 def draft_budget(req: Request, emitted: Sequence[int], k: int, max_model_len: int) -> int:
     """Drafts worth proposing: the scheduler keeps at most room - 1 (k drafts emit up to k + 1 tokens)."""
     if not emitted:
         return 0
-    return max(0, min(k, draft_room(req, max_model_len) - len(emitted) - 1))
+    room = max_model_len - (req.num_tokens + len(emitted))
+    max_tokens = req.sampling_params.max_tokens
+    if max_tokens is not None:
+        room = min(room, max_tokens - (req.num_output_tokens + len(emitted)))
+    return max(0, min(k, room - 1))
 
 
 @dataclass

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from research_lm import LLM, SamplingParams
-from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
-from research_lm.verification import greedy_accept_counts
+from research_lm.cuda_graphs import cuda_graph_capture, eager_capture
 from spec_decode.draft_graphs import DraftGraphs
 from tests.spec_decode.test_draft_model import _variant
 from tests.spec_decode.test_spec_formats import V, eagle1_tensors, eagle3_tensors, write_eagle1, write_eagle3
@@ -56,11 +55,9 @@ class Replay(NamedTuple):
     sampled: bool  # the "sample" rule (else "argmax")
 
 
-def _run(llm: LLM, prompts, params, proposals: list | None = None
-         ) -> tuple[list[list[int]], list[dict[str, list[int]]], list[Replay]]:
-    """Tokens, every step's proposal (drafts, and q where kept; appended to `proposals`), and the graph replays."""
-    proposer, replays = llm.engine.runner.proposer, []
-    proposals = [] if proposals is None else proposals
+def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, list[int]]], list[Replay]]:
+    """Tokens, every step's proposal (drafts, and q where kept), and the graph replays."""
+    proposer, proposals, replays = llm.engine.runner.proposer, [], []
     propose, graphs = proposer.propose, getattr(proposer, "graphs", None)
 
     def spy(outcome):
@@ -202,72 +199,6 @@ def test_greedy_requests_asking_for_logprobs_still_draft_from_the_graph(tiny_che
     assert any(r.drafting == 3 for r in replays)
 
 
-def _with_verify_graphs(llm: LLM) -> LLM:
-    """The target's decode and verify graphs as `capture_cuda_graphs` builds them, by the re-run stand-in."""
-    runner = llm.engine.runner
-    runner.cuda_graphs = DecodeGraphs(
-        runner.forward, runner.buffers, runner.backends, sizes=[1, 2, 4], query_lens=[1, K + 1],
-        block_size=runner.block_size, max_seq_len=runner.max_model_len, compute_logits=runner.model.compute_logits,
-        vocab_size=runner.vocab_size, capture=eager_capture)
-    return llm
-
-
-def _run_drafting_before_sync(llm: LLM, prompts, params) -> tuple[list[list[int]], list, int]:
-    """`_run`, counting the steps that drafted before the verify step's sync (their proposals in step order)."""
-    proposer, before, proposals = llm.engine.runner.proposer, [], []
-    launch = proposer.propose_after_greedy_verify
-
-    def spy(outcome, target_ids, accepted):
-        assert outcome.emitted is None
-        finish = launch(outcome, target_ids, accepted)
-        if finish is None:
-            return None
-
-        def finishing(emitted):
-            proposal = finish(emitted)
-            proposals.append((proposal.token_ids, {}))
-            before.append(proposal)
-            return proposal
-        return finishing
-
-    proposer.propose_after_greedy_verify = spy
-    tokens, proposals, _ = _run(llm, prompts, params, proposals)
-    return tokens, proposals, len(before)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
-@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
-def test_greedy_drafting_before_the_verify_sync_proposes_what_the_eager_chain_does(kind, tiny_checkpoint, tmp_path):
-    """Under verify graphs, greedy EAGLE steps launch drafting from the device's argmax and accepted counts before
-    the host sees them; every step's drafts equal the eager chain's, and the outputs plain decoding's."""
-    checkpoint = tiny_checkpoint("llama")
-    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
-    want, want_proposals, _ = _run(eager, _prompts(), _greedy())
-    got, proposals, before = _run_drafting_before_sync(_with_verify_graphs(llm), _prompts(), _greedy())
-    assert got == want
-    assert [p for p, _ in proposals] == [p for p, _ in want_proposals]
-    assert before >= 5  # the verify steps (the prompt steps propose as before)
-    out = llm.generate(_prompts(), _greedy(), use_tqdm=False)
-    assert all(o.metrics.num_draft_tokens > 0 for o in out)
-
-
-def test_greedy_accept_counts_follow_the_host_rule():
-    """The device rule against the host's: accept drafts while each equals the target's argmax one row earlier."""
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        lens = torch.randint(1, K + 2, (4,), generator=gen).tolist()  # newest token + 0 .. K drafts
-        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-        t = int(qsl[-1])
-        target = torch.randint(0, 3, (t,), generator=gen)
-        input_ids = torch.randint(0, 3, (t + 2,), generator=gen)
-        got = greedy_accept_counts(input_ids, target, qsl, K).tolist()
-        for i, n in enumerate(lens):
-            start, want = int(qsl[i]), 0
-            while want < n - 1 and input_ids[start + want + 1] == target[start + want]:
-                want += 1
-            assert got[i] == want
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
@@ -281,21 +212,6 @@ def test_graph_chain_matches_eager_on_cuda(kind, sampled, tiny_checkpoint, tmp_p
     got, proposals, replays = _run(llm, prompts, params())
     assert got == want and _same_proposals(proposals, want_proposals)
     assert any(r.drafting == 3 and r.sampled == sampled for r in replays)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
-def test_greedy_drafting_before_the_verify_sync_on_cuda(kind, tiny_checkpoint, tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    checkpoint = tiny_checkpoint("llama")
-    spec = {**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}
-    eager = LLM(str(checkpoint), device="cuda", cuda_graphs=False, speculative_config=spec, **KNOBS)
-    llm = LLM(str(checkpoint), device="cuda", cuda_graphs=True, speculative_config=spec, **KNOBS)
-    want, want_proposals, _ = _run(eager, _prompts(), _greedy())
-    got, proposals, before = _run_drafting_before_sync(llm, _prompts(), _greedy())
-    assert got == want and [p for p, _ in proposals] == [p for p, _ in want_proposals]
-    assert before >= 5
 
 
 def test_a_drafter_that_syncs_in_forward_is_not_captured(tiny_checkpoint):
