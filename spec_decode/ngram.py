@@ -138,4 +138,6 @@ def build_proposer(speculative_config: dict[str, Any], target: Any) -> NgramStep
     k = speculative_config.get("num_speculative_tokens")
     if k is None:
         raise ValueError("speculative_config for 'ngram' needs num_speculative_tokens")
+    if int(k) < 1:  # as the other proposers: zero drafts is no speculation, i.e. no speculative_config
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
     return NgramStepProposer(NgramProposer(int(lo), int(hi), int(k)))

@@ -129,3 +129,5 @@ def test_step_proposer_drafts_from_context_plus_pending_tokens():
     assert (default.prompt_lookup_min, default.prompt_lookup_max) == (5, 5)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         build_proposer({"method": "ngram"}, None)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
+        build_proposer({"method": "ngram", "num_speculative_tokens": 0}, None)
