@@ -150,7 +150,7 @@ class ModelRunner:
         capture_drafts = getattr(self.proposer, "capture_cuda_graphs", None)
         if capture_drafts is not None:
             capture_drafts(sizes=sizes, capture=cuda_graph_capture, block_size=self.block_size,
-                           block_table=self.buffers.block_table.gpu)
+                           max_blocks_per_req=self.buffers.block_table.gpu.shape[1])
         return None
 
     # ---- one step -------------------------------------------------------------------------------
@@ -324,28 +324,30 @@ class ModelRunner:
         buf.input_ids.np[holes] = 0
         max_query_len = int(num_new.max())
         graph_key = self.cuda_graphs.key_for(num_reqs, max_query_len) if self.cuda_graphs is not None else None
-        if graph_key is not None:  # the padded graph batch's rows: inputs of nothing
-            pad_step_inputs(buf, num_reqs, t, graph_key[0], graph_key[0] * graph_key[1])
-        buf.copy_inputs_to_gpu()  # every 1-D input in one copy
+        nr, nt = num_reqs, t  # rows to copy: the step's, or the padded graph batch's
+        if graph_key is not None:
+            nr, nt = graph_key[0], graph_key[0] * graph_key[1]
+            pad_step_inputs(buf, num_reqs, t, nr, nt)
         common = CommonAttentionMetadata(
-            query_start_loc=buf.query_start_loc.gpu[: num_reqs + 1],
+            query_start_loc=buf.query_start_loc.copy_to_gpu(nr + 1)[: num_reqs + 1],
             query_start_loc_cpu=buf.query_start_loc.cpu[: num_reqs + 1],
-            seq_lens=buf.seq_lens.gpu[:num_reqs],
+            seq_lens=buf.seq_lens.copy_to_gpu(nr)[:num_reqs],
             seq_lens_cpu=buf.seq_lens.cpu[:num_reqs],
             num_computed_tokens_cpu=buf.num_computed.cpu[:num_reqs],
             block_table=self._copy_block_table(num_reqs, max_blocks),
-            slot_mapping=buf.slot_mapping.gpu[:t],
-            request_rows=buf.request_rows.gpu[:num_reqs],
+            slot_mapping=buf.slot_mapping.copy_to_gpu(nt)[:t],
+            request_rows=buf.request_rows.copy_to_gpu(nr)[:num_reqs],
             num_reqs=num_reqs,
             num_tokens=t,
             max_query_len=max_query_len,
             max_seq_len=int(buf.seq_lens.np[:num_reqs].max()),
             block_size=bs,
         )
-        input_ids = buf.input_ids.gpu[:t]
+        input_ids = buf.input_ids.copy_to_gpu(nt)
+        buf.positions.copy_to_gpu(nt)
         logits_indices = None
         if len(logits_idx) < t:
-            logits_indices = buf.logits_indices.gpu[: len(logits_idx)]
+            logits_indices = buf.logits_indices.copy_to_gpu(len(logits_idx))
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         if len(holes):

@@ -22,8 +22,7 @@ Persistent buffers, allocated once for the largest size A (a replay reads them w
     temperature [A] float32        "sample": a second copy (1 on greedy and padding rows)
     features [Aq, F]               EAGLE's target features of the entry rows (EAGLE-3: the three aux streams
                                    side by side; the head's fc runs inside the graph); none for a draft model
-    block_table [A, blocks]        each request's row of the target step's block table (the KV is shared),
-                                   gathered in the graph from the runner's persistent table
+    block_table [A, blocks]        each request's row of the target step's block table (the KV is shared)
     entry record: query_start_loc [A+1], seq_lens [A], slot_mapping [Aq] (slots come from block_table
                                    inside the graph, -1 on padding)
     chain: positions, seq_lens, slot_mapping [k-1, A]
@@ -118,7 +117,7 @@ class DraftGraphs:
         sizes: Sequence[int],
         query_len: int,  # q: the longest entry a graph serves (k + 1, or 1 without multi-token attention)
         block_size: int,
-        block_table: torch.Tensor,  # [max_num_seqs, blocks] the runner's persistent block table on the device
+        max_blocks_per_req: int,
         max_seq_len: int,
         features: tuple[int, torch.dtype] | None,  # (F, dtype) of the entry features, or None
         device: torch.device,
@@ -131,10 +130,8 @@ class DraftGraphs:
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.staging = torch.zeros(_Layout(a, q).size, **i64)
-        self._staging_host = torch.zeros(_Layout(a, q).size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.features = torch.zeros(a * q, features[0], dtype=features[1], device=device) if features else None
-        self._source_block_table = block_table
-        self.block_table = torch.zeros(a, block_table.shape[1], **i32)
+        self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
         self.entry_qsl, self.entry_seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)
         self.entry_slots = torch.full((a * q,), -1, **i64)
         steps = max(self.k - 1, 1)  # chain step j = 1 .. k-1 reads row j - 1 of these
@@ -199,7 +196,6 @@ class DraftGraphs:
         chain_md = [self._record(qsl, seq_lens[j], slots[j], b, b, 1) for j in range(self.k - 1)]
         drafts = self.drafts[:, :b]
         block_table, last_block = self.block_table[:b], self.block_table.shape[1] - 1
-        table_rows = st[lay.request(4)]  # [b] each request's row in the target step's table (padding: 0)
 
         def slot_of(rows: torch.Tensor, pos: torch.Tensor, writes: torch.Tensor) -> torch.Tensor:
             block = block_table[rows, (pos // bs).clamp(max=last_block)]
@@ -220,7 +216,6 @@ class DraftGraphs:
 
         @torch.inference_mode()
         def draft() -> None:
-            block_table.copy_(self._source_block_table[table_rows])
             entry_qsl.copy_(qsl_in)
             entry_seq_lens.copy_(seq_lens_in)
             entry_slots.copy_(slot_of(req_in.clamp(min=0), pos_in, req_in >= 0))
@@ -267,7 +262,8 @@ class DraftGraphs:
     @torch.inference_mode()
     def run(
         self,
-        rows: Sequence[int],  # [n] each request's row in the target step (and its block table)
+        block_table: torch.Tensor,  # [step's requests, >= blocks] the target step's block table
+        rows: Sequence[int],  # [n] each request's row in it
         tokens: Sequence[int],  # [T] the entry rows' tokens, request after request
         starts: Sequence[int],  # [n] position of each request's first entry row
         lens: Sequence[int],  # [n] its entry rows (1 .. q)
@@ -282,8 +278,7 @@ class DraftGraphs:
         lay = _Layout(size, self.query_len)
         lens_np = np.asarray(lens, dtype=np.int64)
         ends = np.cumsum(lens_np)
-        host = self._staging_host.numpy()[: lay.size]  # pinned: the copy below does not wait for the stream
-        host.fill(0)
+        host = np.zeros(lay.size, dtype=np.int64)
         token, request = (lambda i: host[lay.token(i)]), (lambda i: host[lay.request(i)])
         token(0)[:num_tokens] = tokens
         req_of_token = np.repeat(np.arange(n), lens_np)
@@ -308,7 +303,9 @@ class DraftGraphs:
             temperature[:n] = sampling.temperature
             self.temperature[:size].copy_(torch.from_numpy(temperature))
         staged = self.staging[: lay.size]
-        staged.copy_(self._staging_host[: lay.size], non_blocking=True)  # the step's sync comes before the next
+        staged.copy_(torch.from_numpy(host))
+        cols = min(block_table.shape[1], self.block_table.shape[1])
+        self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
         if features is not None:
             self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
         self._replay[size, sampling is not None]()

@@ -106,7 +106,7 @@ class DraftModelProposer:
         graphs_fit = self.graphs is not None and self.graphs.serves(len(lens))
         rule = drafting.pick_rule(self.vocab_size) if graphs_fit else None
         if rule is not None:
-            drafting.replay(self.graphs, rule, batch_rows, starts, lens, tokens,
+            drafting.replay(self.graphs, rule, outcome.common.block_table, batch_rows, starts, lens, tokens,
                             lambda *span: self._entry(outcome, *span))
         else:
             positions, hidden = self._entry(outcome, batch_rows, starts, lens, tokens)
@@ -127,7 +127,7 @@ class DraftModelProposer:
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
-                            block_table: torch.Tensor) -> None:
+                            max_blocks_per_req: int) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.model, backends) is not None:
@@ -141,7 +141,7 @@ class DraftModelProposer:
             entry=forward, step=forward, logits=self.model.compute_logits, argmax=None, layers=self.cache_layers,
             num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size, sizes=sizes,
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
-            block_table=block_table, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
+            max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
             features=None, device=next(self.model.parameters()).device, capture=capture,
         )
 

@@ -293,7 +293,7 @@ class EagleProposer:
         graphs_fit = self.graphs is not None and self.graphs.serves(len(lens))
         rule = drafting.pick_rule(self.vocab_size) if graphs_fit else None
         if rule is not None:
-            drafting.replay(self.graphs, rule, batch_rows, starts, lens, tokens,
+            drafting.replay(self.graphs, rule, outcome.common.block_table, batch_rows, starts, lens, tokens,
                             lambda *span: self._entry(outcome, *span), feature_rows=feature_rows,
                             features=lambda rows: self._target_features(outcome, rows))
             return drafting.proposal(reqs)
@@ -313,7 +313,7 @@ class EagleProposer:
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
-                            block_table: torch.Tensor) -> None:
+                            max_blocks_per_req: int) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.head, backends) is not None:
@@ -327,7 +327,7 @@ class EagleProposer:
             step=self._forward, logits=self._logits, argmax=self._greedy_argmax(), layers=self.cache_layers,
             num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size, sizes=sizes,
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
-            block_table=block_table, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
+            max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
             features=(width, fc.dtype), device=fc.device, capture=capture,
         )
 

@@ -251,6 +251,7 @@ class Drafting:
         self,
         graphs: DraftGraphs,
         rule: str,  # `pick_rule`'s answer: "argmax" or "sample"
+        block_table: torch.Tensor,  # the target step's
         batch_rows: list[int],  # [n] each entry request's row in the step
         starts: list[int],  # [n] position of its first entry row
         lens: list[int],  # [n] its entry rows
@@ -269,7 +270,7 @@ class Drafting:
             lens = [n - c for n, c in zip(lens, cut, strict=True)]
         budget = dict(zip(self.index, self.budget, strict=True))
         drafts, probs = graphs.run(
-            batch_rows, kept[0], starts, lens, [budget.get(i, 0) for i in batch_rows],
+            block_table, batch_rows, kept[0], starts, lens, [budget.get(i, 0) for i in batch_rows],
             features=features, feature_rows=None if feature_rows is None else kept[1],
             sampling=self.sampling(batch_rows) if rule == "sample" else None,
         )

@@ -56,23 +56,6 @@ def test_pad_decode_inputs_marks_rows_past_the_batch_as_empty():
     assert query_lens.tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_step_inputs_share_one_buffer_without_overlapping(device):
-    """The 1-D inputs are disjoint, aligned views of one host (and one device) buffer: one copy moves them all."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    buf = StepBuffers(max_num_tokens=5, max_num_reqs=3, max_blocks_per_req=4, device=torch.device(device))
-    fields = [buf.input_ids, buf.positions, buf.slot_mapping, buf.logits_indices, buf.query_start_loc, buf.seq_lens,
-              buf.num_computed, buf.request_rows]
-    for i, field in enumerate(fields):
-        field.np[:] = i + 1
-        assert field.cpu.data_ptr() % 64 == 0 and field.gpu.data_ptr() % 64 == 0
-    buf.copy_inputs_to_gpu()
-    for i, field in enumerate(fields):
-        assert field.gpu.cpu().tolist() == [i + 1] * len(field.np)
-    assert [len(f.np) for f in fields] == [5, 5, 5, 5, 4, 3, 3, 3]
-
-
 def test_graph_metadata_is_views_of_the_buffers():
     buf = StepBuffers(max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
     base = buffer_addresses(buf)

@@ -67,10 +67,10 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, lis
 
     proposer.propose = spy
     if graphs is not None:
-        def counting_run(rows, tokens, starts, lens, budgets, **kwargs):
+        def counting_run(block_table, rows, tokens, starts, lens, budgets, **kwargs):
             sampled = kwargs.get("sampling") is not None
             replays.append(Replay(len(rows), sum(b > 0 for b in budgets), max(lens), sampled))
-            return DraftGraphs.run(graphs, rows, tokens, starts, lens, budgets, **kwargs)
+            return DraftGraphs.run(graphs, block_table, rows, tokens, starts, lens, budgets, **kwargs)
         graphs.run = counting_run
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], proposals, replays
@@ -90,7 +90,7 @@ def _pair(path: str, spec: dict, device: str, capture, **knobs) -> tuple[LLM, LL
     llm = LLM(path, device=device, cuda_graphs=False, speculative_config=spec, **knobs)
     runner = llm.engine.runner
     runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=capture, block_size=runner.block_size,
-                                        block_table=runner.buffers.block_table.gpu)
+                                        max_blocks_per_req=runner.buffers.block_table.gpu.shape[1])
     return eager, llm
 
 
@@ -220,5 +220,5 @@ def test_a_drafter_that_syncs_in_forward_is_not_captured(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("llama")), device="cpu", cuda_graphs=False, speculative_config=spec, **KNOBS)
     runner = llm.engine.runner
     runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=eager_capture, block_size=runner.block_size,
-                                        block_table=runner.buffers.block_table.gpu)
+                                        max_blocks_per_req=runner.buffers.block_table.gpu.shape[1])
     assert runner.proposer.graphs is None
