@@ -15,6 +15,10 @@
 # Session 7 ran `tests` and `t1` at d74876b on an H100 (the numpy-keyed rejection sampler measured: PERFORMANCE.md,
 # seventh pass) and `pytest -m gpu tests/spec_decode/test_draft_graphs.py` at 566079a. Still unchecked on a GPU:
 # `b1` (the prompt-step split on the reference target), Medusa's first-k heads, stop strings and n > 1 on CUDA.
+# Session 8 measured two host-side changes with same-process toggles and reverted both (PERFORMANCE.md, eighth
+# pass). Its heads were 800 steps (two side by side: 106 s on an H100, so `tau`'s 2000-step pair should take
+# ~270 s; three 3000-step heads side by side did not finish in 330 s). `tau` itself is still to run. Still
+# unchecked on a GPU: logit_bias / allowed_token_ids.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
