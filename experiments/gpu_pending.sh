@@ -2,7 +2,7 @@
 # GPU checks to repeat after a change to the runner, in one-H200 device calls (each block fits 10 minutes). From
 # the repository root (or a `git archive HEAD` copy of it), with hydra/omegaconf/flashinfer wheels installed and
 # RESEARCH_LM_COMMIT / BENCH_COMMIT set to the commit.
-#   bash experiments/gpu_pending.sh tests | match | t1 | b1 | tau
+#   bash experiments/gpu_pending.sh tests | match | t1 | b1 | tau | host
 # Session 4 (2026-11-25) ran both at 6e6bc1b / 89ff565, and the tables bench_decode, bench_throughput,
 # bench_decode_8b and attention_ablation_h200 (parts over two calls, --print-commands / --from-sweep), and the
 # attention_ablation preset at GPU size (113 s). Still never run on a GPU: the fa2 variant of mla_flashinfer.
@@ -68,5 +68,11 @@ case ${1:-tests} in
       spec.num_speculative_tokens=5 workload.temperature=0.0 workload.max_tokens=48 runner.num_gpu_blocks=4096 \
       runner.max_num_seqs=1 workload.num_requests=8 warmup_requests=1 seed=0,1,2 hydra.sweep.dir=multirun/tau
     grep -hE '"(mean_acceptance_length|acceptance_rate_pos[0-4]|speedup)"' multirun/tau/*/results.json ;;
+  host)  # host time per speculative step, phase by phase (experiments/bench_spec_host.py; PERFORMANCE.md, eighth
+          # pass): the built-in pair, eagle3 and ngram at batch 1 and 8, ~2 min; the table goes to experiments/results
+    for b in 1 8; do
+      python experiments/bench_spec_host.py --method eagle3 --batch $b --name bench_spec_host_eagle3_b$b
+      python experiments/bench_spec_host.py --method ngram --batch $b --name bench_spec_host_ngram_b$b
+    done ;;
   *) echo "unknown block $1" >&2; exit 2 ;;
 esac

@@ -1,0 +1,23 @@
+"""bench_spec_host on CPU: both engines measured, each phase timed where it runs, the table written."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.experiments.conftest import REPO
+
+sys.path.insert(0, str(REPO / "experiments"))
+import bench_spec_host  # noqa: E402  (experiments/ is a folder of scripts, not a package)
+
+
+def test_bench_spec_host_times_every_phase_on_cpu(tmp_path):
+    payload = bench_spec_host.main(["--device", "cpu", "--tokens", "6", "--repeats", "1", "--out", str(tmp_path)])
+    rows = {r["run"]: r for r in payload["rows"]}
+    assert set(rows) == {"plain", "eagle3"}
+    assert rows["plain"]["tau"] == 1.0 and rows["eagle3"]["tau"] >= 1.0
+    assert "verify_us" not in rows["plain"] and "propose_us" not in rows["plain"]
+    assert all(f"{p}_us" in rows["eagle3"] for p in bench_spec_host.PHASES)
+    assert rows["eagle3"]["step_us"] > rows["eagle3"]["propose_us"] > 0
+    saved = json.loads((tmp_path / "bench_spec_host.json").read_text())
+    assert saved["rows"] and "| eagle3 | 1 |" in (tmp_path / "bench_spec_host.md").read_text()
