@@ -94,11 +94,23 @@ def speculative_method(speculative_config: dict[str, Any]) -> str | None:
     return "draft_model"
 
 
+# speculative_config keys every method reads, and those only some read (vLLM's names).
+_COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"}
+_METHOD_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "eagle3": {"eagle_aux_hidden_state_layer_ids"}}
+
+
 def build_proposer(speculative_config: dict[str, Any], target: Any) -> Proposer:
     method = speculative_method(speculative_config)
     speculative_config = {**speculative_config, "method": method}
     if method not in _PROPOSER_MODULES:
         raise ValueError(f"unknown speculative method {method!r}; choose one of {sorted(_PROPOSER_MODULES)}")
+    valid = _COMMON_KEYS | _METHOD_KEYS.get(method, set())
+    unknown = sorted(set(speculative_config) - valid)
+    if unknown:  # a misspelt knob must not fall back to its default unnoticed
+        raise ValueError(f"unknown speculative_config key(s) {unknown} for {method!r}; valid ones: {sorted(valid)}")
+    if speculative_config.get("draft_tensor_parallel_size", 1) != 1:
+        raise ValueError(f"draft_tensor_parallel_size={speculative_config['draft_tensor_parallel_size']}: the drafter "
+                         "runs on the target's one GPU (tensor parallelism is not implemented)")
     module_name, factory = _PROPOSER_MODULES[method].split(":")
     try:
         module = importlib.import_module(module_name)

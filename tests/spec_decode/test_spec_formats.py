@@ -209,6 +209,23 @@ def test_method_is_inferred_from_the_model_as_vllm_does(target, tmp_path):
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
+def test_speculative_config_refuses_keys_its_method_does_not_read(target):
+    """A misspelt knob is an error naming the valid keys, not a silent default; vLLM's draft_tensor_parallel_size
+    is accepted at 1, the one size there is."""
+    with pytest.raises(ValueError, match=r"unknown speculative_config key\(s\) \['prompt_lookup_maxx'\] for 'ngram'; "
+                                         r"valid ones: .*'prompt_lookup_max'"):
+        LLM(str(target), **KNOBS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                      "prompt_lookup_maxx": 4})
+    with pytest.raises(ValueError, match=r"\['prompt_lookup_max'\] for 'eagle3'"):  # an ngram knob on EAGLE-3
+        LLM(str(target), **KNOBS, speculative_config={"model": "tiny-llama-eagle3", "num_speculative_tokens": 3,
+                                                      "prompt_lookup_max": 4})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
+        LLM(str(target), **KNOBS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                      "draft_tensor_parallel_size": 2})
+    _, outs = _run(target, {"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1})
+    assert all(o.outputs[0].token_ids for o in outs)
+
+
 def test_eagle3_default_aux_layers_follow_vllm(tiny_checkpoint, tmp_path):
     """No ids in the config: vLLM's (2, L // 2, L - 3), here L = 3 -> (2, 1, 0)."""
     target = tiny_checkpoint("llama-gqa1")  # 3 layers, 1 KV head
