@@ -21,6 +21,7 @@ from research_lm.train.artifacts import TrainResult, summarize, write_recipe
 from research_lm.train.config import TrainConfig
 from research_lm.train.data import PackedData, load_corpus
 from research_lm.train.loop import fit
+from research_lm.train.regenerate import regenerate_windows
 from research_lm.train.teacher import FrozenTarget
 
 # method -> "module:Objective"; an objective takes (target, *method inputs, **head knobs).
@@ -54,9 +55,25 @@ def build_objective(method: str, target: FrozenTarget, data: PackedData, head: d
     return cls(target, *args, **head)
 
 
+def _regenerate(data: PackedData, target: Path, cfg: TrainConfig, knobs: dict[str, Any] | None) -> dict[str, Any]:
+    knobs = dict(knobs or {})
+    valid = ("fraction", "temperature")
+    unknown = sorted(set(knobs) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown train.regenerate key(s) {unknown}; valid ones: {list(valid)}")
+    if not knobs.get("fraction"):
+        return {}
+    return regenerate_windows(data, target, cfg.resolve_device(), fraction=float(knobs["fraction"]),
+                      temperature=float(knobs.get("temperature", 0.0)), seed=cfg.seed)
+
+
 def train_head(method: str, cfg: TrainConfig, *, target: str = "tiny-llama", head: dict[str, Any] | None = None,
-               logger: Any = None) -> TrainResult:
-    """Distil a `method` drafter from the frozen `target` (a built-in name or a checkpoint directory)."""
+               regenerate: dict[str, Any] | None = None, logger: Any = None) -> TrainResult:
+    """Distil a `method` drafter from the frozen `target` (a built-in name or a checkpoint directory).
+
+    `regenerate` ({"fraction": f, "temperature": T}) trains on the target's own continuations of that share of
+    the windows instead of the corpus text (research_lm.train.regenerate).
+    """
     torch.manual_seed(cfg.seed)
     teacher = FrozenTarget(target, cfg.resolve_device())
     corpus = load_corpus(teacher.path, corpus_bytes=cfg.corpus_bytes, pydoc=cfg.pydoc, cache_dir=cfg.cache_dir)
@@ -64,6 +81,7 @@ def train_head(method: str, cfg: TrainConfig, *, target: str = "tiny-llama", hea
     if cfg.seq_len > teacher.config.max_position_embeddings:
         raise ValueError(f"train.seq_len ({cfg.seq_len}) exceeds the target's max_position_embeddings "
                          f"({teacher.config.max_position_embeddings})")
+    regen = _regenerate(data, teacher.path, cfg, regenerate)
     objective = build_objective(method, teacher, data, dict(head or {}))
     result = fit(objective, data, cfg, logger)
     out = Path(cfg.output_dir)
@@ -72,6 +90,6 @@ def train_head(method: str, cfg: TrainConfig, *, target: str = "tiny-llama", hea
     target_recipe = teacher.recipe() or {}
     summary = summarize(TASKS[method], cfg, result, corpus, out, trainable,
                         {"method": method, "target": str(teacher.path),
-                         "target_corpus_hash": target_recipe.get("corpus_hash")})
-    write_recipe(out, summary, cfg, {"head": dict(head or {})})
+                         "target_corpus_hash": target_recipe.get("corpus_hash"), **regen})
+    write_recipe(out, summary, cfg, {"head": dict(head or {}), "regenerate": dict(regenerate or {})})
     return TrainResult(out, summary, result)

@@ -23,7 +23,7 @@ from research_lm.train.target import train_target
 
 HEAD_TASKS = {task: method for method, task in TASKS.items()}
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"seed", "device"}
-_TASK_KEYS = {"train_target": {"tokenizer", "model"}, **{t: {"target", "head"} for t in HEAD_TASKS}}
+_TASK_KEYS = {"train_target": {"tokenizer", "model"}, **{t: {"target", "head", "regenerate"} for t in HEAD_TASKS}}
 
 
 def _train_block(cfg: DictConfig) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def _head_task(method: str):
     def run_head_task(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
         block, tc = _train_block(cfg), train_config(cfg)
         result = train_head(method, tc, target=block.get("target") or "tiny-llama", head=block.get("head"),
-                            logger=logger)
+                            regenerate=block.get("regenerate"), logger=logger)
         return _finish(cfg, run_dir, result, str(tc.resolve_device()))
 
     run_head_task.__doc__ = f"Self-distil a {method} drafter from the frozen target; written in its published layout."
