@@ -67,7 +67,8 @@ def regenerate_windows(data: PackedData, target: str | Path, device: torch.devic
     blocks_per_seq = -(-seq_len // 16)
     llm = LLM(str(target), device=str(device), seed=seed, max_num_seqs=batch,
               max_num_batched_tokens=max(2048, batch * 32), num_gpu_blocks=batch * blocks_per_seq + 16,
-              max_model_len=seq_len, enable_prefix_caching=False)
+              max_model_len=seq_len, enable_prefix_caching=False,
+              attention_backend="triton" if device.type == "cuda" else "torch_ref")
     generator = torch.Generator().manual_seed(seed * 7_919 + 17)
     made = 0
     windows = 0
