@@ -468,9 +468,12 @@ def test_cuda_samples_the_same_tokens_as_cpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     reqs = [make_req(i, temperature=[0.0, 0.7, 1.0][i % 3], top_k=[0, 8][i % 2], top_p=0.95, logprobs=2,
-                     presence_penalty=0.2, min_tokens=2, stop_token_ids=[4], outputs=[i % V]) for i in range(64)]
+                     presence_penalty=0.2, min_tokens=2, stop_token_ids=[4], outputs=[i % V],
+                     **([{}, {"logit_bias": {1: 5.0, 7: -100.0}}, {"allowed_token_ids": [2, 5, 9, 11]}][i % 3]))
+            for i in range(64)]
     logits = rand_logits(64)
     cpu = Sampler()(logits, SamplingBatch.build(reqs, V, "cpu"))
     cuda = Sampler()(logits.cuda(), SamplingBatch.build(reqs, V, "cuda"))
     assert cuda.token_ids.device.type == "cuda"
     assert torch.equal(cuda.token_ids.cpu(), cpu.token_ids)
+    assert set(cuda.token_ids[2::3].tolist()) <= {2, 5, 9, 11}  # allowed_token_ids holds on the device too

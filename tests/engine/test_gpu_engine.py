@@ -40,3 +40,22 @@ def test_memory_derived_kv_budget_on_cuda():
                        use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 5 for o in out)
     assert llm.engine.num_blocks > 1000  # a fraction of an H100/H200 holds many tiny-llama blocks
+
+
+def test_parallel_sampling_and_stop_strings_match_the_cpu_engine():
+    """n > 1, seeded temperature sampling, a stop string and logit_bias give the same completions on CUDA (graphs,
+    async scheduling, Triton attention) as on the CPU: the noise is counter-based and device-independent."""
+    prompts = ["def parse(", "import os\n", "class Node:"]
+    free = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    cpu = LLM("tiny-llama", device="cpu", dtype="float32")
+    texts = [c.text for o in cpu.generate(prompts, free, use_tqdm=False) for c in o.outputs]
+    stop = next(t[8:10] for t in texts if len(t) >= 10 and t[8:10].strip())
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, stop=[stop],
+                            logit_bias={5: 2.0})
+    want = [(c.token_ids, c.text, c.finish_reason) for o in cpu.generate(prompts, params, use_tqdm=False)
+            for c in o.outputs]
+    gpu = LLM("tiny-llama", device="cuda", dtype="float32", attention_backend="triton")
+    got = [(c.token_ids, c.text, c.finish_reason) for o in gpu.generate(prompts, params, use_tqdm=False)
+           for c in o.outputs]
+    assert got == want
+    assert any(reason == "stop" for _, _, reason in want)
