@@ -111,6 +111,13 @@ TABLES: dict[str, Table] = {
         bench="bench_attention",
         smoke=None,  # CUDA graphs and CUDA kernels only: no CPU variant
     ),
+    **{f"bench_spec_host_{method}_b{batch}": Table(
+        what=f"host µs per step, phase by phase, of plain and {method} (k = 5) decoding of the built-in pair at batch "
+             f"{batch}, with ms/token and tau, in one process",
+        device="cuda", measured_on="NVIDIA H100", minutes="~30 s", bench="bench_spec_host",
+        args=("--method", method, "--batch", str(batch)),
+        smoke=("--device", "cpu", "--tokens", "8"),
+    ) for method in ("eagle3", "ngram") for batch in (1, 8)},
     "eplb_policy": Table(
         what="EPLB policies at DeepSeek-V3 scale: compute ms per rebalance, in-sample and replay balancedness",
         device="cpu", measured_on="CPU (2 cores)", minutes="~25–50 s", bench="bench_eplb_policy",
@@ -206,8 +213,9 @@ TABLES: dict[str, Table] = {
                "report_mean_acceptance_length_vs_spec.num_speculative_tokens.png": "spec_ablation_h200_tau.png"},
         title="spec_ablation on the reference target (GPU)",
         about="The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 8 layers, trained on the "
-              "stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 3000 steps, the others "
-              "800); 48 output tokens per request, max(8, batch) code prompts, 3 seeds per cell; each job also runs "
+              "stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 3500 steps on the target's "
+              "own greedy continuations, ttt_steps 5, MLP 2048; the others 800); 48 output tokens per request, "
+              "max(8, batch) code prompts, 3 seeds per cell; each job also runs "
               "the same workload without speculation in the same process (speedup: whole-workload output tok/s, "
               "prefill included; tpot_ratio compares decoding alone). CUDA graphs: decode and verify steps, and "
               "whole drafting steps of the model-based drafters (entry forward + chain in one replay; what each "

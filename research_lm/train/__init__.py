@@ -14,6 +14,7 @@
 | `target` | `train_target`: a Llama from scratch; output = a Hugging Face checkpoint |
 | `teacher` | `FrozenTarget`: the target's features and logits for self-distillation |
 | `eagle3`, `eagle`, `medusa`, `draft` | one objective per drafter, written in its published layout |
+| `regenerate` | the target's own continuations in place of the corpus text (`train.regenerate.fraction`) |
 | `heads` | `train_head(method, ...)`: the shared driver for the drafters |
 | `tasks` | the Hydra tasks behind `experiment=train_*` |
 
