@@ -22,7 +22,7 @@
 # Session 9 ran `host` (bench_spec_host_*.md) and the GPU tests of the sampler (now with logit_bias and
 # allowed_token_ids), test_gpu_engine (now with n > 1, stop strings and logit_bias), tests/spec_decode and
 # test_cuda_graphs at c9e4e43: all passed. It trained five EAGLE-3 heads (spec_eagle3_recipe_h100.json); `tau` now
-# measures what the target's continuations add at the new recipe's MLP width (never measured alone). Still
+# compares the recipe's MLP 2048 with 4096 (the CPU pilots' best). Still
 # unchecked on a GPU: `b1`.
 set -euo pipefail
 case ${1:-tests} in
@@ -56,23 +56,23 @@ case ${1:-tests} in
       grep -hE '"(mean_acceptance_length|speedup|tpot_ratio|draft_ms_per_step_median|verify_ms_per_step_median)"' \
         multirun/b1_$1/*/results.json
     done ;;
-  tau)  # issue 4's tau lever (PERFORMANCE.md, ninth pass): the EAGLE-3 recipe of train_reference.sh (MLP 2048, ttt_steps 5,
-         # 3500 steps) on the corpus text and on the target's own continuations, side by side, then batch-1 k = 5 cells
-         # (3 seeds, greedy and T = 1); ~9 min on one H100 when the target must be trained first
+  tau)  # issue 4's tau lever (PERFORMANCE.md, ninth pass): the EAGLE-3 recipe of train_reference.sh (regenerated data,
+         # ttt_steps 5, 3500 steps) with its MLP 2048 and with 4096 (CPU pilots: +0.016 held-out acc), side by side,
+         # then batch-1 k = 5 cells (3 seeds, greedy and T = 1); ~10 min on one H100 when the target must be trained
     [ -d outputs/reference/target ] || TARGET_ONLY=1 bash experiments/train_reference.sh outputs/reference
     mkdir -p outputs/tau
-    for f in 0.0 1.0; do
+    for w in 2048 4096; do
       python -m research_lm experiment=train_eagle3 logger=jsonl train.batch_size=64 train.seq_len=512 \
         train.corpus_bytes=null train.save_dtype=bfloat16 train.log_every=250 train.progress=false \
         train.target=outputs/reference/target train.warmup_steps=50 train.steps=3500 train.eval_every=0 \
-        train.save_every=0 train.head.ttt_steps=5 train.head.intermediate_size=2048 train.regenerate.fraction=$f \
-        train.output_dir=outputs/tau/eagle3_regen$f > outputs/tau/regen$f.log 2>&1 &
+        train.save_every=0 train.head.ttt_steps=5 train.head.intermediate_size=$w train.regenerate.fraction=1.0 \
+        train.output_dir=outputs/tau/eagle3_mlp$w > outputs/tau/mlp$w.log 2>&1 &
     done
     wait
     python -m research_lm -m experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf \
-      model.name=outputs/reference/target spec=eagle3 spec.model=outputs/tau/eagle3_regen0.0,outputs/tau/eagle3_regen1.0 \
-      spec.num_speculative_tokens=5 workload.temperature=0.0,1.0 workload.max_tokens=48 runner.num_gpu_blocks=4096 \
-      runner.max_num_seqs=1 workload.num_requests=8 warmup_requests=1 seed=0,1,2 hydra.sweep.dir=multirun/tau
+      model.name=outputs/reference/target spec=eagle3 spec.model=outputs/tau/eagle3_mlp2048,outputs/tau/eagle3_mlp4096 \
+      spec.num_speculative_tokens=5 workload.temperature=0.0,1.0 workload.max_tokens=64 runner.num_gpu_blocks=4096 \
+      runner.max_num_seqs=1 workload.num_requests=32 warmup_requests=1 seed=0,1,2 hydra.sweep.dir=multirun/tau
     grep -hE '"(mean_acceptance_length|acceptance_rate_pos[0-4]|speedup)"' multirun/tau/*/results.json ;;
   host)  # host time per speculative step, phase by phase (experiments/bench_spec_host.py; PERFORMANCE.md, eighth
           # pass): the built-in pair, eagle3 and ngram at batch 1 and 8, ~2 min; the table goes to experiments/results
