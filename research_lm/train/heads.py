@@ -64,7 +64,7 @@ def _regenerate(data: PackedData, target: Path, cfg: TrainConfig, knobs: dict[st
     if not knobs.get("fraction"):
         return {}
     return regenerate_windows(data, target, cfg.resolve_device(), fraction=float(knobs["fraction"]),
-                      temperature=float(knobs.get("temperature", 0.0)), seed=cfg.seed)
+                              temperature=float(knobs.get("temperature", 0.0)), seed=cfg.seed)
 
 
 def train_head(method: str, cfg: TrainConfig, *, target: str = "tiny-llama", head: dict[str, Any] | None = None,

@@ -47,7 +47,7 @@ def _continue(windows: torch.Tensor, rows: list[int], llm, temperature: float, s
 
 
 def regenerate_windows(data: PackedData, target: str | Path, device: torch.device, *, fraction: float,
-               temperature: float = 0.0, seed: int = 0, max_num_seqs: int | None = None) -> dict[str, Any]:
+                       temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """Rewrite `fraction` of `data`'s train and held-out windows with the target's continuations (in place).
 
     Returns what to record in the recipe: the settings, the windows and tokens generated, and the seconds taken.
@@ -63,9 +63,9 @@ def regenerate_windows(data: PackedData, target: str | Path, device: torch.devic
 
     t0 = time.perf_counter()
     seq_len = data.seq_len
-    batch = max_num_seqs or (256 if device.type == "cuda" else 32)
-    blocks_per_seq = -(-seq_len // 16)
-    llm = LLM(str(target), device=str(device), seed=seed, max_num_seqs=batch,
+    batch, block_size = (256 if device.type == "cuda" else 32), 16
+    blocks_per_seq = -(-seq_len // block_size)
+    llm = LLM(str(target), device=str(device), seed=seed, max_num_seqs=batch, block_size=block_size,
               max_num_batched_tokens=max(2048, batch * 32), num_gpu_blocks=batch * blocks_per_seq + 16,
               max_model_len=seq_len, enable_prefix_caching=False,
               attention_backend="triton" if device.type == "cuda" else "torch_ref")
