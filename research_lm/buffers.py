@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -38,6 +40,18 @@ class StepBuffers:
         self.num_computed = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
         self.request_rows = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
         self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
+        # PLACEHOLDER inputs: token rows [:h], then the flat index of each one's token in its `DeviceTokens` [h:2h]
+        self.holes = CpuGpuBuffer(2 * max_num_tokens, dtype=torch.int64, device=device)
+
+
+@dataclass
+class DeviceTokens:
+    """Tokens on the device that the host has not seen yet (sampled by a launched step, or drafted): a
+    request's j-th one is ids[first[request id] + j * stride]."""
+
+    ids: torch.Tensor  # 1-D
+    first: dict[str, int]
+    stride: int = 1
 
 
 

@@ -5,7 +5,9 @@ sample or verify → propose. `launch` enqueues a plain-decoding step and return
 device; `collect` waits for its tokens (the step's one sync), so the engine can prepare and launch the next
 step while this one runs (async scheduling). Tokens the next step needs before they reach the host
 (`PLACEHOLDER`s in its input) are copied on the device from the launched step's sampled ids.
-Speculative steps run whole inside `launch` (drafting needs the emitted tokens).
+Speculative steps run inside `launch` (drafting needs the emitted tokens), except the drafts themselves: a
+proposer may leave them on the device (`PendingDrafts`), and the next step reads them there, the host
+waiting for their values only to verify them, so drafting overlaps the host's work between the steps.
 A decode or verify step covered by a CUDA graph replays forward, logits and their argmax in one graph;
 an all-greedy decode batch without penalties, min_tokens or logprobs then takes the graph's argmax as its
 tokens (one replay, one device -> host copy of the ids), and an all-greedy verify step checks its drafts
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
-from research_lm.buffers import HostIds, StepBuffers
+from research_lm.buffers import DeviceTokens, HostIds, StepBuffers
 from research_lm.compilation import compile_forward
 from research_lm.cuda_graphs import (
     DecodeGraphs,
@@ -32,7 +34,7 @@ from research_lm.cuda_graphs import (
     unsupported_reason,
 )
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from research_lm.request import PLACEHOLDER
+from research_lm.request import PLACEHOLDER, Request
 from research_lm.rng import to_device
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from research_lm.spec import Proposal, Proposer, StepOutcome
@@ -106,9 +108,12 @@ class ModelRunner:
         self.rows = RequestRows(max_num_seqs)
         self.sampler = Sampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] q of pending drafts
-        # The last launched step's sampled ids on the device and the row of each request in them: the
-        # source of the next step's PLACEHOLDER inputs (and of the penalties' view of them).
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # The last launched step's sampled ids on the device: the source of the next step's PLACEHOLDER
+        # inputs under async scheduling (and of the penalties' view of them).
+        self._last_sampled: DeviceTokens | None = None
+        # The last proposal while its drafts are still on the device (`PendingDrafts`), and the requests it
+        # drafted for: the source of PLACEHOLDER drafts in the next step's input.
+        self._pending: tuple[Proposal, list[Request]] | None = None
         self._host_ids = HostIds(max_num_batched_tokens, device)
         # Fires when a step's inputs have left the pinned host buffers, which the next step overwrites.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -189,6 +194,8 @@ class ModelRunner:
         else:  # [num_sample_rows, vocab]
             logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         scheduled = sched.scheduled
+        if self._pending is not None and any(s.spec_token_ids for s in scheduled):
+            self._fill_drafts(scheduled)  # waits for the drafts' copy, queued before this step's forward
         if not any(s.spec_token_ids for s in scheduled):
             pending = self._launch_sampling(sched, sample_rows, logits, greedy_ids)
             if self.proposer is None:
@@ -207,13 +214,27 @@ class ModelRunner:
             hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected, common=common,
             attn_metadata=attn_metadata,
         )
+        if self._pending is not None:  # the next proposal overwrites the last one's device drafts
+            self._fill_drafts(scheduled)
         proposal: Proposal = self.proposer.propose(outcome)
-        # Model-based proposers end in the `.tolist()` of their drafts (a sync) and ngram runs on the
-        # host; only a step that drafts nothing may leave EAGLE's KV writes to the next step's span.
+        # draft_ms is the host's time in the proposer: with drafts left on the device (the draft graphs), their
+        # GPU time overlaps the next step's host work, and what remains of it is in that step's verify_ms.
         output.draft_ms = (time.perf_counter() - t1) * 1e3
         output.draft_token_ids = proposal.token_ids
+        if proposal.pending is not None:
+            self._pending = (proposal, outcome.requests)
         self.draft_probs.update(proposal.probs)
         return PendingStep(sched, output=output)
+
+    def _fill_drafts(self, scheduled: list[ScheduledRequest]) -> None:
+        """Replace the PLACEHOLDER drafts of the last proposal by their values (waiting for them once): in this
+        step's scheduled requests, and in requests that still hold some (not scheduled since, or cut short)."""
+        proposal, requests = self._pending
+        self._pending = None
+        for s in scheduled:
+            s.spec_token_ids = proposal.fill(s.spec_token_ids, s.request.request_id)
+        for req in requests:
+            req.spec_token_ids = proposal.fill(req.spec_token_ids, req.request_id)
 
     def _launch_sampling(
         self,
@@ -237,15 +258,16 @@ class ModelRunner:
         else:
             sampled = self.sampler(logits, batch)
         ids = sampled.token_ids
-        self._last_sampled = (ids, {scheduled[i].request.request_id: row for row, (i, _) in enumerate(sample_rows)})
+        self._last_sampled = DeviceTokens(ids, {scheduled[i].request.request_id: row
+                                                for row, (i, _) in enumerate(sample_rows)})
         host, copied = self._host_ids.start_copy(ids)
         return PendingStep(sched, host_ids=host, copied=copied, sample_rows=sample_rows, sampled=sampled,
                            batch=batch)
 
     def _in_flight_ids(self, request_ids: list[str]) -> torch.Tensor:  # [n] int64 on the device
         """The tokens the last launched step sampled for these requests, which the host does not know yet."""
-        last_ids, last_row = self._last_sampled
-        return last_ids.index_select(0, to_device([last_row[r] for r in request_ids], torch.int64, self.device))
+        last = self._last_sampled
+        return last.ids.index_select(0, to_device([last.first[r] for r in request_ids], torch.int64, self.device))
 
     def collect(self, pending: PendingStep) -> RunnerOutput:
         """Wait for a launched step's tokens; its RunnerOutput."""
@@ -280,6 +302,8 @@ class ModelRunner:
         buf, bs = self.buffers, self.block_size
         if self._inputs_copied is not None:  # the previous step's copies must have left the host buffers
             self._inputs_copied.synchronize()
+        if self._pending is not None and self._pending[0].pending is None:  # resolved already: no need to wait
+            self._fill_drafts(scheduled)
         num_reqs = len(scheduled)
         tokens: list[int] = []
         num_new = np.empty(num_reqs, dtype=np.int64)
@@ -348,13 +372,26 @@ class ModelRunner:
         logits_indices = None
         if len(logits_idx) < t:
             logits_indices = buf.logits_indices.copy_to_gpu(len(logits_idx))
+        if len(holes):
+            self._fill_holes(input_ids, holes, req_of_token[holes], qsl, scheduled)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
-        if len(holes):
-            dst = to_device(torch.from_numpy(holes), torch.int64, self.device)
-            input_ids.index_copy_(0, dst, self._in_flight_ids([scheduled[r].request.request_id
-                                                               for r in req_of_token[holes].tolist()]))
         return common, sample_rows, graph_key, logits_indices
+
+    def _fill_holes(self, input_ids: torch.Tensor, holes: np.ndarray, reqs: np.ndarray, qsl: np.ndarray,
+                    scheduled: list[ScheduledRequest]) -> None:
+        """Copy PLACEHOLDER inputs (token rows `holes` of requests `reqs`) from the device: the last proposal's
+        drafts, or else (async scheduling) the last launched step's sampled ids. A request's placeholders are
+        the last tokens of its chunk, in order: its j-th is its j-th token there."""
+        source = self._pending[0].pending.tokens if self._pending is not None else self._last_sampled
+        count = np.bincount(reqs, minlength=len(scheduled))
+        j = holes - (qsl[1:][reqs] - count[reqs])
+        first = [source.first[scheduled[r].request.request_id] for r in reqs.tolist()]
+        h, buf = len(holes), self.buffers.holes
+        buf.np[:h] = holes
+        buf.np[h : 2 * h] = np.asarray(first, dtype=np.int64) + j * source.stride
+        dst_src = buf.copy_to_gpu(2 * h)
+        input_ids.index_copy_(0, dst_src[:h], source.ids.index_select(0, dst_src[h:]))
 
     def _copy_block_table(self, num_reqs: int, num_cols: int) -> torch.Tensor:
         """Copy only the live corner of the block table; kernels read rows through their stride."""

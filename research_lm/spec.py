@@ -14,7 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from attention_zoo import CommonAttentionMetadata
-from research_lm.request import Request
+from research_lm.buffers import DeviceTokens
+from research_lm.request import PLACEHOLDER, Request
 
 
 @dataclass
@@ -35,9 +36,40 @@ class StepOutcome:
 
 
 @dataclass
+class PendingDrafts:
+    """Drafts a proposer left on the device, with their copy to the host under way: the runner feeds them to
+    the next step's forward on the device, and waits for their values only to verify them, by which time
+    the copy has landed. Drafting then overlaps the host's work between the two steps."""
+
+    tokens: DeviceTokens  # request id -> its drafts on the device
+    host: torch.Tensor  # the copy's destination: the same layout as tokens.ids
+    ready: torch.cuda.Event | None  # fires when `host` holds the drafts; None: it already does (CPU)
+
+
+@dataclass
 class Proposal:
-    token_ids: dict[str, list[int]]  # request id -> drafts for its next step (may be empty)
+    token_ids: dict[str, list[int]]  # request id -> drafts for its next step (may be empty); PLACEHOLDERs
     probs: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [k, vocab] q, if any
+    pending: PendingDrafts | None = None  # the placeholders' values, until `resolve`
+
+    def resolve(self) -> dict[str, list[int]]:
+        """token_ids with every PLACEHOLDER replaced by its draft (waits for the copy the first time)."""
+        p = self.pending
+        if p is not None:
+            if p.ready is not None:
+                p.ready.synchronize()
+            flat = p.host.view(-1).numpy()
+            for req_id, first in p.tokens.first.items():
+                ids = self.token_ids[req_id]
+                ids[:] = flat[first : first + len(ids) * p.tokens.stride : p.tokens.stride].tolist()
+            self.pending = None
+        return self.token_ids
+
+    def fill(self, drafts: list[int], req_id: str) -> list[int]:
+        """A request's drafts (a prefix of its proposal: the scheduler may trim them) with their values."""
+        if not drafts or drafts[0] != PLACEHOLDER:
+            return drafts
+        return self.resolve()[req_id][: len(drafts)]
 
 
 class Proposer(Protocol):

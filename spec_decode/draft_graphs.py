@@ -1,5 +1,6 @@
 """CUDA graphs for the drafting of the model-based proposers (EAGLE, EAGLE-3, draft model): a step drafts
-with one replay and one device -> host copy.
+with one replay and one device -> host copy, which nobody waits for until the drafts are verified
+(`research_lm.spec.PendingDrafts`): the next step's forward reads them on the device.
 
 A drafting step is two parts, both captured in one graph per padded batch size B and pick rule:
 1. The entry forward over the rows the target just verified, at most q = k + 1 per request (EAGLE: the
@@ -31,7 +32,8 @@ Persistent buffers, allocated once for the largest size A (a replay reads them w
                                    budget: the scheduler allocated slots for the drafts the request asked for,
                                    no more. Step j reads draft j as its ids and (EAGLE) the previous step's
                                    output as its feature, in place: no copies between the steps' forwards
-    drafts [k, A] int64            drafts 1 .. k of each request (row j: draft j + 1)
+    drafts [k, A] int64            drafts 1 .. k of each request (row j: draft j + 1); the next step's forward
+                                   reads them here, and `drafts_host` (pinned) receives a copy of all of it
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
 Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
@@ -60,8 +62,10 @@ import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm import rng
+from research_lm.buffers import DeviceTokens
 from research_lm.cuda_graphs import Capture
 from research_lm.sampler import apply_temperature, random_sample
+from research_lm.spec import PendingDrafts
 
 # (ids [T], positions [T], metadata, features or carry [T, F] | None) -> (out for the logits [T, H], carry | None)
 DraftForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],
@@ -130,6 +134,8 @@ class DraftGraphs:
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.staging = torch.zeros(_Layout(a, q).size, **i64)
+        pin = device.type == "cuda"  # the host side of the one copy each way, without a sync
+        self.staging_host = torch.zeros(_Layout(a, q).size, dtype=torch.int64, pin_memory=pin)
         self.features = torch.zeros(a * q, features[0], dtype=features[1], device=device) if features else None
         self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
         self.entry_qsl, self.entry_seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)
@@ -140,8 +146,11 @@ class DraftGraphs:
         self.slot_mapping = torch.full((steps, a), -1, **i64)
         self.request_rows = torch.full((a,), -1, **i32)  # stays -1: only state layers read it, drafters have none
         self.drafts = torch.zeros(self.k, a, **i64)  # draft j of request i at [j, i]: step j + 1 reads row j
+        self.drafts_host = torch.zeros(self.k, a, dtype=torch.int64, pin_memory=pin)
+        self.drafts_copied = torch.cuda.Event() if pin else None
         self.chain_steps = torch.arange(steps, **i64)[:, None]  # [k-1, 1]: 0 .. k-2
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
+        self.temperature_host = torch.ones(a, dtype=torch.float32, pin_memory=pin)
         self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
         self._replay: dict[tuple[int, bool], Callable[[], Any]] = {}  # (size, sampled) -> replay
         self._entry, self._step, self._logits, self._argmax = entry, step, logits, argmax
@@ -271,14 +280,18 @@ class DraftGraphs:
         features: Callable[[torch.Tensor], torch.Tensor] | None = None,  # feature rows [T] (device) -> [T, F]
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
         sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
-    ) -> tuple[list[list[int]], torch.Tensor | None]:  # per request drafts 1 .. budget; "sample": q [n, k, V]
+    ) -> torch.Tensor | None:  # "sample": q [n, k, V]
+        """Replay the step's graph. Request r's drafts 1 .. budget stay in `drafts[:, r]` until the next replay
+        (`pending` hands them out), their copy to the host under way."""
         n, num_tokens = len(lens), len(tokens)
         size = self.padded_size(n)
         assert size is not None and max(lens) <= self.query_len and (features is None) == (self.features is None)
         lay = _Layout(size, self.query_len)
         lens_np = np.asarray(lens, dtype=np.int64)
         ends = np.cumsum(lens_np)
-        host = np.zeros(lay.size, dtype=np.int64)
+        # The last replay's staging copy finished before its drafts were verified, which preceded this call.
+        host = self.staging_host[: lay.size].numpy()
+        host[:] = 0
         token, request = (lambda i: host[lay.token(i)]), (lambda i: host[lay.request(i)])
         token(0)[:num_tokens] = tokens
         req_of_token = np.repeat(np.arange(n), lens_np)
@@ -299,15 +312,23 @@ class DraftGraphs:
             request(5)[:n] = [rng.int64_bits(s) for s in sampling.seeds]
             request(6)[:n] = sampling.positions
             request(7)[:n] = sampling.greedy
-            temperature = np.ones(size, dtype=np.float32)
-            temperature[:n] = sampling.temperature
-            self.temperature[:size].copy_(torch.from_numpy(temperature))
+            temperature = self.temperature_host[:size]
+            temperature.fill_(1.0)
+            temperature[:n] = torch.tensor(sampling.temperature, dtype=torch.float32)
+            self.temperature[:size].copy_(temperature, non_blocking=True)
         staged = self.staging[: lay.size]
-        staged.copy_(torch.from_numpy(host))
+        staged.copy_(self.staging_host[: lay.size], non_blocking=True)
         cols = min(block_table.shape[1], self.block_table.shape[1])
         self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
         if features is not None:
             self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
         self._replay[size, sampling is not None]()
-        probs = None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
-        return [row[:b] for row, b in zip(self.drafts[:, :n].T.tolist(), budgets, strict=True)], probs
+        self.drafts_host.copy_(self.drafts, non_blocking=True)  # all of it: one contiguous copy
+        if self.drafts_copied is not None:
+            self.drafts_copied.record()
+        return None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
+
+    def pending(self, rows: dict[str, int]) -> PendingDrafts:
+        """The last replay's drafts of the requests at these graph rows (request id -> row)."""
+        tokens = DeviceTokens(self.drafts.view(-1), rows, stride=self.drafts.shape[1])
+        return PendingDrafts(tokens, self.drafts_host, self.drafts_copied)

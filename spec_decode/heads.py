@@ -28,9 +28,9 @@ from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm import rng
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import checkpoint_files, iter_checkpoint, resolve_model_path
-from research_lm.request import Request
+from research_lm.request import PLACEHOLDER, Request
 from research_lm.sampler import SamplingBatch, SamplingRow, probs_from_processed, process_logits, random_sample
-from research_lm.spec import Proposal
+from research_lm.spec import PendingDrafts, Proposal
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,6 +171,7 @@ class Drafting:
     need_probs: bool  # some request samples: keep q for every drafted token
     tokens: list[list[int]] = field(default_factory=list)
     probs: list[list[torch.Tensor] | torch.Tensor] = field(default_factory=list)
+    pending: PendingDrafts | None = None  # a graph replay's drafts, still on the device (tokens: PLACEHOLDERs)
 
     def __post_init__(self) -> None:
         self.tokens = [[] for _ in self.index]
@@ -269,20 +270,19 @@ class Drafting:
             starts = [s + c for s, c in zip(starts, cut, strict=True)]
             lens = [n - c for n, c in zip(lens, cut, strict=True)]
         budget = dict(zip(self.index, self.budget, strict=True))
-        drafts, probs = graphs.run(
+        probs = graphs.run(
             block_table, batch_rows, kept[0], starts, lens, [budget.get(i, 0) for i in batch_rows],
             features=features, feature_rows=None if feature_rows is None else kept[1],
             sampling=self.sampling(batch_rows) if rule == "sample" else None,
         )
-        self.take(batch_rows, drafts, probs)
-
-    def take(self, rows: Sequence[int], drafts: Sequence[list[int]], probs: torch.Tensor | None = None) -> None:
-        """Drafts from a graph replay: drafts[r] (and q = probs[r, :len(drafts[r])], [k, V]) belong to the
-        request at step row rows[r]."""
-        by_row = {i: r for r, i in enumerate(rows)}
-        self.tokens = [drafts[by_row[i]] for i in self.index]
+        # Graph row r holds the drafts of the request at step row batch_rows[r]; their values stay on the
+        # device (PLACEHOLDERs here) until the runner verifies them.
+        by_row = {i: r for r, i in enumerate(batch_rows)}
+        self.tokens = [[PLACEHOLDER] * b for b in self.budget]
+        if self.index:
+            self.pending = graphs.pending({req.request_id: by_row[i] for req, i in zip(self.requests, self.index)})
         if probs is not None:
-            self.probs = [probs[by_row[i], : len(t)] for i, t in zip(self.index, self.tokens, strict=True)]
+            self.probs = [probs[by_row[i], :b] for i, b in zip(self.index, self.budget, strict=True)]
 
     def proposal(self, all_requests: Sequence[Request]) -> Proposal:
         token_ids = {r.request_id: [] for r in all_requests}
@@ -291,7 +291,7 @@ class Drafting:
             token_ids[req.request_id] = toks
             if len(ps):  # a list of [vocab] rows (eager), or [num_drafts, vocab] from a graph
                 probs[req.request_id] = ps if isinstance(ps, torch.Tensor) else torch.stack(ps)
-        return Proposal(token_ids, probs)
+        return Proposal(token_ids, probs, self.pending)
 
 
 def start_drafting(

@@ -101,7 +101,7 @@ class MedusaProposer:
         logits = self.heads(hidden, self.num_speculative_tokens)  # [R, k, V]: heads past k would go unused
         if drafting.pick_rule(self.vocab_size) == "argmax":  # every draft a raw argmax: one pass, one copy
             top = logits[:, :, : self.vocab_size].argmax(dim=-1).tolist()
-            drafting.take(drafting.index, [t[:b] for t, b in zip(top, drafting.budget, strict=True)])
+            drafting.tokens = [t[:b] for t, b in zip(top, drafting.budget, strict=True)]
             return drafting.proposal(reqs)
         for j in range(self.num_speculative_tokens):
             active = drafting.active(j)

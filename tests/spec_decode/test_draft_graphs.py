@@ -62,7 +62,8 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[dict[str, lis
 
     def spy(outcome):
         proposal = propose(outcome)
-        proposals.append((proposal.token_ids, {r: q.cpu() for r, q in proposal.probs.items()}))
+        drafts = {r: list(d) for r, d in proposal.resolve().items()}  # the values now: the next replay overwrites them
+        proposals.append((drafts, {r: q.cpu() for r, q in proposal.probs.items()}))
         return proposal
 
     proposer.propose = spy
@@ -150,6 +151,39 @@ def test_prompt_chunks_of_at_most_k_plus_1_tokens_draft_from_the_graph(kind, tin
     got, proposals, replays = _run(llm, prompts, params)
     assert got == want and _same_proposals(proposals, want_proposals)
     assert max(r.longest_entry for r in replays) == K + 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+@pytest.mark.parametrize("kind,sampled", [("eagle3", False), ("draft_model", False), ("eagle3", True)])
+def test_drafts_left_on_the_device_feed_the_next_step(kind, sampled, tiny_checkpoint, tmp_path):
+    """A replay's drafts stay on the device: the next step's forward reads them there (PLACEHOLDER inputs),
+    and the host sees their values only to verify them. A token budget of 6 cuts drafts short and leaves
+    a request with drafts unscheduled for a step (its drafts reach it before the next replay overwrites
+    them); the outputs equal the eager chain's, and greedy ones plain decoding's."""
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture,
+                       max_num_batched_tokens=6)
+    runner, holes, unscheduled = llm.engine.runner, [], []
+    fill_holes, fill_drafts = runner._fill_holes, runner._fill_drafts
+    runner._fill_holes = lambda ids, rows, *rest: holes.append(len(rows)) or fill_holes(ids, rows, *rest)
+
+    def spy_fill_drafts(scheduled):
+        ids = {s.request.request_id for s in scheduled}
+        unscheduled.extend(r for r in runner._pending[1] if r.request_id not in ids and r.spec_token_ids)
+        fill_drafts(scheduled)
+
+    runner._fill_drafts = spy_fill_drafts
+    rng = random.Random(5)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (3, 12, 1)]  # request 1's last prompt chunk,
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 7, 12)]  # then drafts,
+    if sampled:  # push request 2 (which drafted) out of a step
+        params[1] = SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True, seed=3)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    if not sampled:
+        plain = LLM(str(checkpoint), device="cpu", **(KNOBS | dict(max_num_batched_tokens=6)))
+        assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert sum(holes) > 0 and unscheduled  # drafts fed from the device; some waited a step on the host
 
 
 def _sampled_params() -> list[SamplingParams]:
