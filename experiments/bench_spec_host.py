@@ -26,6 +26,9 @@ eagle3 step took ~1.4 ms for ~0.65 ms of GPU work (PERFORMANCE.md, eighth pass).
 To A/B a change, give it a runtime switch and alternate the switch inside one process. Two processes running
 the same code differed by up to 1.4x in ms/token on that machine, while their phase times agreed within ~10 %.
 
+For eagle3 a third engine, "eagle3 synced", waits for each step's drafts inside `propose`, as every step did
+before drafts stayed on the device (`research_lm.spec.PendingDrafts`): the same-process A/B of that change.
+
 Prints a table last; writes experiments/results/bench_spec_host.{md,json}.
 """
 
@@ -81,6 +84,21 @@ def instrument(llm: LLM) -> PhaseTimer:
     return timer
 
 
+def sync_drafts(llm: LLM) -> LLM:
+    """The A/B switch: `propose` returns only once its drafts reach the host, so the next step's input
+    carries them as values and no drafting overlaps the host's work."""
+    proposer = llm.engine.runner.proposer
+    propose = proposer.propose
+
+    def synced(outcome):
+        proposal = propose(outcome)
+        proposal.resolve()
+        return proposal
+
+    proposer.propose = synced
+    return llm
+
+
 def build(args: argparse.Namespace, spec: dict[str, Any] | None) -> LLM:
     device = torch.device(args.device)
     return LLM("tiny-llama", device=args.device, cuda_graphs=device.type == "cuda", max_num_seqs=args.batch,
@@ -99,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     name = args.name or NAME
     engines = {"plain": build(args, None), args.method: build(args, SPECS[args.method])}
+    if args.method == "eagle3":
+        engines[f"{args.method} synced"] = sync_drafts(build(args, SPECS[args.method]))
     timers = {run: instrument(llm) for run, llm in engines.items()}
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.batch, len(PROMPTS)))]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
