@@ -26,8 +26,13 @@ eagle3 step took ~1.4 ms for ~0.65 ms of GPU work (PERFORMANCE.md, eighth pass).
 To A/B a change, give it a runtime switch and alternate the switch inside one process. Two processes running
 the same code differed by up to 1.4x in ms/token on that machine, while their phase times agreed within ~10 %.
 
-For eagle3 a third engine, "eagle3 synced", waits for each step's drafts inside `propose`, as every step did
-before drafts stayed on the device (`research_lm.spec.PendingDrafts`): the same-process A/B of that change.
+Same-process A/B rows (eagle3):
+- greedy: "eagle3 synced" waits for each step's drafts inside `propose`, as every step did before drafts stayed
+  on the device (`research_lm.spec.PendingDrafts`);
+- `--temperature` above 0: "eagle3 torch rejection" runs with `research_lm.ops.FUSED_DEVICE_TYPES` emptied, so
+  the rejection sampler takes its torch path instead of its kernel (spec_decode/rejection_kernel.py). The
+  graphs keep the kernels they captured; what else runs eagerly at T = 1 is the plain sampler's race at prompt
+  steps, which then takes its torch path too.
 
 Prints a table last; writes experiments/results/bench_spec_host.{md,json}.
 """
@@ -44,6 +49,7 @@ from typing import Any
 import torch
 from bench_common import add_repeat_args, cell, env_line, repeats_line, run_table
 
+import research_lm.ops
 import research_lm.runner as runner_module
 from research_lm import LLM, SamplingParams
 
@@ -113,15 +119,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
     add_repeat_args(parser, default_repeats=4)
     args = parser.parse_args(argv)
     name = args.name or NAME
     engines = {"plain": build(args, None), args.method: build(args, SPECS[args.method])}
-    if args.method == "eagle3":
+    torch_rejection = f"{args.method} torch rejection"
+    if args.method == "eagle3" and args.temperature == 0.0:
         engines[f"{args.method} synced"] = sync_drafts(build(args, SPECS[args.method]))
+    elif args.method == "eagle3":
+        engines[torch_rejection] = build(args, SPECS[args.method])
     timers = {run: instrument(llm) for run, llm in engines.items()}
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.batch, len(PROMPTS)))]
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
+    fused = research_lm.ops.FUSED_DEVICE_TYPES
     verify = runner_module.verify_drafts
     for llm in engines.values():  # warm-up: kernels of every shape the measured runs take
         llm.generate(prompts, params, use_tqdm=False)
@@ -134,10 +145,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runner_module.verify_drafts = timer.wrap("verify", verify)  # a module function: patched per engine
             if args.device == "cuda":
                 torch.cuda.synchronize()
+            research_lm.ops.FUSED_DEVICE_TYPES = () if run == torch_rejection else fused
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             runner_module.verify_drafts = verify
+            research_lm.ops.FUSED_DEVICE_TYPES = fused
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             row = {"run": run, "batch": args.batch, "ms_per_token": seconds * 1e3 / tokens, "tau": _tau(outputs)}
             row |= {f"{p}_us": statistics.median(timer.times[p]) for p in PHASES if timer.times.get(p)}
@@ -145,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"rows": rows}
 
     return run_table(name, torch.device(args.device), args, measure, render, ("run", "batch"),
-                     method=args.method, k=args.k, tokens=args.tokens)
+                     method=args.method, k=args.k, tokens=args.tokens, temperature=args.temperature)
 
 
 def _tau(outputs) -> float:
@@ -161,7 +174,7 @@ def _tau(outputs) -> float:
 def render(payload: dict[str, Any]) -> str:
     head = ["engine", "batch", "ms/token", "τ"] + [f"{p} µs" for p in PHASES]
     title = (f"# Host time per step, phase by phase ({payload['method']}, k = {int(payload['k'])}, "
-             f"{int(payload['tokens'])} tokens per request)")
+             f"{int(payload['tokens'])} tokens per request, temperature {payload.get('temperature', 0.0):g})")
     lines = [title, "", env_line(payload["env"]), "", repeats_line(payload), "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * 2 + " ---: |" * (len(head) - 2)]
     for row in payload["rows"]:

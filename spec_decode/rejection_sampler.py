@@ -20,6 +20,9 @@ bonus token uses the `SAMPLE` stream, the plain sampler's, so a request with zer
 exactly the token it would sample without speculation.
 
 Output follows vLLM: `[num_reqs, k_max + 1]` int64, emitted tokens left-aligned, `-1` elsewhere.
+
+On CUDA (`research_lm.ops.FUSED_DEVICE_TYPES`, outside torch.compile) one Triton kernel does all the device
+work (spec_decode/rejection_kernel.py), with this module's torch code as its reference: the same tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import research_lm.ops
 from research_lm import rng
 from research_lm.sampler import race
 
@@ -46,9 +50,9 @@ def rejection_sample(
     Greedy rows only need `target_probs` to be argmax-preserving (one-hot or the processed
     distribution); `draft_probs` rows of greedy requests are ignored. Everything that depends only on
     the host lists (the row layout, the acceptance uniforms, the noise keys of every possible final
-    token) is computed with numpy and reaches the device in two pinned non-blocking copies; the device
-    work is ~30 batched kernels whatever the batch, and the caller's `.tolist()` of the result is the
-    only host-device sync.
+    token) is computed with numpy and reaches the device in pinned non-blocking copies; the device work
+    is one kernel on CUDA (~30 batched torch kernels elsewhere) whatever the batch, and the caller's
+    `.tolist()` of the result is the only host-device sync.
     """
     device = target_probs.device
     num_reqs = len(draft_token_ids)
@@ -79,6 +83,13 @@ def rejection_sample(
                                                                      rng.RECOVER))  # [num_reqs, k_max + 1]
     # u < p(x)/q(x) has probability min(1, p(x)/q(x)): one uniform per slot, ACCEPT stream at position + j.
     u = rng.host_uniform(rng.host_keys(seeds_col, pos + slot, rng.ACCEPT))  # [num_reqs, k_max]
+    if device.type in research_lm.ops.FUSED_DEVICE_TYPES and not torch.compiler.is_compiling():
+        from spec_decode.rejection_kernel import fused_rejection_sample, pack_host
+
+        packed = pack_host(drafts, u, final_keys, num_drafts, cu_draft, cu_target, greedy_host)
+        return fused_rejection_sample(target_probs.float().contiguous(),
+                                      None if draft_probs is None else draft_probs.float().contiguous(),
+                                      rng.to_device(torch.from_numpy(packed), torch.int64, device), k_max)
     host = np.concatenate([a.reshape(-1).astype(np.int64) for a in (
         drafts, target_rows, draft_rows, valid, num_drafts, cu_draft, cu_target, greedy_host,
         final_keys.view(np.int64))])

@@ -14,7 +14,8 @@ The switch: modules that can fuse (`RMSNorm`, `RotaryEmbedding`, `GatedMLP` in m
 `exponential_race` is the sampler's: argmax(probs / q) with q the `rng.exponential_rows` noise hashed in
 registers instead of ~20 int64 kernels over [N, V] (~2 ms per step at 256 x 128k on an H200). Its reference is
 `sampler.random_sample`'s torch path, whose tokens it reproduces bit for bit; `random_sample` (hence the
-rejection sampler and the drafters) takes it for tensors on `FUSED_DEVICE_TYPES`, outside torch.compile.
+drafters) takes it for tensors on `FUSED_DEVICE_TYPES`, outside torch.compile. The rejection sampler has a
+kernel of its own that reuses this noise (spec_decode/rejection_kernel.py), under the same switch.
 """
 
 from __future__ import annotations

@@ -21,3 +21,12 @@ def test_bench_spec_host_times_every_phase_on_cpu(tmp_path):
     assert rows["eagle3"]["step_us"] > rows["eagle3"]["propose_us"] > 0
     saved = json.loads((tmp_path / "bench_spec_host.json").read_text())
     assert saved["rows"] and "| eagle3 | 1 |" in (tmp_path / "bench_spec_host.md").read_text()
+
+
+def test_bench_spec_host_at_temperature_1_ab_tests_the_rejection_kernel(tmp_path):
+    payload = bench_spec_host.main(["--device", "cpu", "--tokens", "6", "--repeats", "1", "--temperature", "1.0",
+                                    "--out", str(tmp_path)])
+    rows = {r["run"]: r for r in payload["rows"]}
+    assert set(rows) == {"plain", "eagle3", "eagle3 torch rejection"}
+    assert rows["eagle3"]["tau"] == rows["eagle3 torch rejection"]["tau"]  # CPU: the torch path both times
+    assert "temperature 1" in (tmp_path / "bench_spec_host.md").read_text()

@@ -1,6 +1,7 @@
 """The fused exponential race gives `random_sample`'s torch-path tokens exactly: its noise is `rng`'s bit for bit,
 its argmax follows torch's rule (first index on ties, NaN first) within a loop, across lanes and across splits of
-a row, and the wired `random_sample` (hence the rejection sampler) takes it where the device type is enabled.
+a row, and the wired `random_sample` (hence the drafters) takes it where the device type is enabled. The rejection
+sampler's own kernel, which reuses its noise, is tested in tests/spec_decode/test_rejection_kernel.py.
 
 Runs under the Triton interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA); shapes are
 tiny and `block` / `chunk` are shrunk so that a few columns already span several iterations and splits.
@@ -18,7 +19,6 @@ import research_lm.ops.exponential_race as race_mod
 from research_lm import rng
 from research_lm.ops.exponential_race import exponential_noise, exponential_race, uniform53
 from research_lm.sampler import random_sample
-from spec_decode.rejection_sampler import rejection_sample
 from tests.ops.cases import device
 
 
@@ -175,22 +175,6 @@ def test_cpu_tensors_take_the_torch_path_by_default(launches):
     probs = torch.full((2, 8), 0.125)
     random_sample(probs, [1, 2], [0, 0])
     assert launches == []
-
-
-def test_rejection_sampler_gives_the_same_tokens_through_the_kernel(kernels_on_cpu, launches):
-    """Recovered and bonus tokens both go through `random_sample`: same output with and without the kernel."""
-    gen = torch.Generator().manual_seed(9)
-    vocab, drafts = 30, [[1, 2], [], [3, 4, 5], [6]]
-    target = sparse_probs(sum(len(d) + 1 for d in drafts), vocab, gen, keep=0.7)
-    draft = sparse_probs(sum(len(d) for d in drafts), vocab, gen, keep=0.7)
-    greedy = torch.tensor([False, False, True, False])
-    seeds, positions = [3, 4, 5, 6], [10, 0, 2, 7]
-    got = rejection_sample(drafts, target, draft, greedy, seeds, positions)
-    assert launches
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(research_lm.ops, "FUSED_DEVICE_TYPES", ())
-        want = rejection_sample(drafts, target, draft, greedy, seeds, positions)
-    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
