@@ -89,7 +89,8 @@ class EngineMetrics:
 def spec_phase_stats(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Draft vs verify time over the steps that verified drafts (each also drafted for the next step):
     median ms per step of each phase, and draft_fraction = total draft / (total draft + total verify).
-    Empty for a run without drafts."""
+    Drafts left on the device (graph drafting) make draft the proposer's host time; the wait for them is in the
+    next step's verify. Empty for a run without drafts."""
     spec = [(s["draft_ms"], s["verify_ms"]) for s in steps if "verify_ms" in s and "draft_ms" in s]
     if not spec:
         return {}

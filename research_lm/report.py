@@ -340,7 +340,9 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
                      "position-independent acceptance at the measured per-draft rate would give, "
                      "(1 - a^(k+1)) / (1 - a); draft_/verify_ms_per_step_median = "
                      "median ms of the proposer / of the target forward + rejection sampling over steps that verified "
-                     "drafts, draft_fraction = draft / (draft + verify) time over them; speedup and *_ratio = this "
+                     "drafts (under CUDA graphs the proposer's host work: the drafts' GPU time overlaps the next "
+                     "step's host work, and what remains of it counts in verify), draft_fraction = draft / "
+                     "(draft + verify) time over them; speedup and *_ratio = this "
                      "run / its baseline in the same process; outputs_match_baseline = fraction of requests with "
                      "identical tokens.")
     out = root / "report.md"

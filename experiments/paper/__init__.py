@@ -113,11 +113,20 @@ TABLES: dict[str, Table] = {
     ),
     **{f"bench_spec_host_{method}_b{batch}": Table(
         what=f"host µs per step, phase by phase, of plain and {method} (k = 5) decoding of the built-in pair at batch "
-             f"{batch}, with ms/token and tau, in one process",
+             f"{batch}, with ms/token and tau, in one process"
+             + (" (and eagle3 waiting for its drafts: the A/B of drafts left on the device)"
+                if method == "eagle3" else ""),
         device="cuda", measured_on="NVIDIA H100", minutes="~30 s", bench="bench_spec_host",
         args=("--method", method, "--batch", str(batch)),
         smoke=("--device", "cpu", "--tokens", "8"),
     ) for method in ("eagle3", "ngram") for batch in (1, 8)},
+    **{f"bench_spec_host_eagle3_b{batch}_t1": Table(
+        what=f"host µs per step, phase by phase, of plain and eagle3 (k = 5) decoding of the built-in pair at batch "
+             f"{batch} and temperature 1, with the rejection sampler's kernel and its torch path, in one process",
+        device="cuda", measured_on="NVIDIA H100", minutes="~30 s", bench="bench_spec_host",
+        args=("--method", "eagle3", "--batch", str(batch), "--temperature", "1.0"),
+        smoke=("--device", "cpu", "--tokens", "8"),
+    ) for batch in (1, 8)},
     "eplb_policy": Table(
         what="EPLB policies at DeepSeek-V3 scale: compute ms per rebalance, in-sample and replay balancedness",
         device="cpu", measured_on="CPU (2 cores)", minutes="~25–50 s", bench="bench_eplb_policy",
