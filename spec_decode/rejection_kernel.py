@@ -39,22 +39,6 @@ def _lane_better(v, best, best_col):
 
 
 @triton.jit
-def _row_argmax(row_ptr, V, BLOCK: tl.constexpr):
-    lanes = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_col = tl.full([BLOCK], _NO_INDEX, tl.int32)
-    for c0 in range(0, V, BLOCK):
-        cols = c0 + lanes
-        mask = cols < V
-        v = tl.load(row_ptr + cols, mask=mask, other=float("-inf"))
-        better = _lane_better(v, best, best_col) & mask
-        best = tl.where(better, v, best)
-        best_col = tl.where(better, cols, best_col)
-    _, col = tl.reduce((best, best_col), 0, _argmax_combine)
-    return col.to(tl.int64)
-
-
-@triton.jit
 def _weights(p_row, q_row, cols, mask, x_rej, RESIDUAL: tl.constexpr, HAS_Q: tl.constexpr):
     p = tl.load(p_row + cols, mask=mask, other=0.0)
     if RESIDUAL:
@@ -66,18 +50,21 @@ def _weights(p_row, q_row, cols, mask, x_rej, RESIDUAL: tl.constexpr, HAS_Q: tl.
 
 
 @triton.jit
-def _race_row(p_row, q_row, x_rej, key, V, RESIDUAL: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
-    """argmax_v w(v) / E_v over the row's weights (p, or the residual), with the race's noise of `key`."""
+def _row_argmax(p_row, q_row, x_rej, key, V, RESIDUAL: tl.constexpr, HAS_Q: tl.constexpr, RACE: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """torch's argmax over the row's weights w (p, or the residual), or (RACE) over w(v) / E_v, the race with
+    the noise of `key`."""
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_col = tl.full([BLOCK], _NO_INDEX, tl.int32)
     for c0 in range(0, V, BLOCK):
         cols = c0 + lanes
         mask = cols < V
-        w = _weights(p_row, q_row, cols, mask, x_rej, RESIDUAL, HAS_Q)
-        ratio = tl.math.div_rn(w, exponential_noise(key, cols))
-        better = _lane_better(ratio, best, best_col) & mask
-        best = tl.where(better, ratio, best)
+        v = _weights(p_row, q_row, cols, mask, x_rej, RESIDUAL, HAS_Q)
+        if RACE:
+            v = tl.math.div_rn(v, exponential_noise(key, cols))
+        better = _lane_better(v, best, best_col) & mask
+        best = tl.where(better, v, best)
         best_col = tl.where(better, cols, best_col)
     _, col = tl.reduce((best, best_col), 0, _argmax_combine)
     return col.to(tl.int64)
@@ -123,7 +110,7 @@ def _rejection_kernel(
             x = tl.load(row + j)
             p_row = target_ptr + (cu_target + j) * target_stride
             if greedy:
-                ok = _row_argmax(p_row, V, BLOCK) == x
+                ok = _row_argmax(p_row, p_row, -1, 0, V, False, False, False, BLOCK) == x
             else:
                 p = tl.load(p_row + x)
                 q = 1.0
@@ -135,7 +122,7 @@ def _rejection_kernel(
         n_acc += alive.to(tl.int64)
     p_row = target_ptr + (cu_target + n_acc) * target_stride
     if greedy:
-        final = _row_argmax(p_row, V, BLOCK)
+        final = _row_argmax(p_row, p_row, -1, 0, V, False, False, False, BLOCK)
     else:
         key = tl.load(row + 2 * K + n_acc).to(tl.uint64, bitcast=True)
         q_row = draft_ptr + (cu_draft + n_acc) * draft_stride
@@ -144,9 +131,9 @@ def _rejection_kernel(
         if use_residual:
             use_residual = _any_positive(p_row, q_row, x_rej, V, HAS_Q, BLOCK)
         if use_residual:
-            final = _race_row(p_row, q_row, x_rej, key, V, True, HAS_Q, BLOCK)
+            final = _row_argmax(p_row, q_row, x_rej, key, V, True, HAS_Q, True, BLOCK)
         else:
-            final = _race_row(p_row, q_row, x_rej, key, V, False, HAS_Q, BLOCK)
+            final = _row_argmax(p_row, q_row, x_rej, key, V, False, HAS_Q, True, BLOCK)
     for j in range(0, K + 1):
         x = tl.load(row + j, mask=j < K, other=-1)
         tok = tl.where(j < n_acc, x, tl.where(j == n_acc, final, -1))
