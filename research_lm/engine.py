@@ -221,7 +221,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             out = self.runner.execute(sched)
-            if self.ep is not None:  # rank 0's tokens: the ranks' schedules cannot drift apart
+            if self.ep is not None:  # rank 0's tokens (and drafts, by value): the ranks' schedules cannot drift apart
+                self.runner.resolve_drafts()
                 out = self.ep.from_rank0(out)
             if self.eplb is not None:
                 self.eplb.step()

@@ -226,6 +226,12 @@ class ModelRunner:
         self.draft_probs.update(proposal.probs)
         return PendingStep(sched, output=output)
 
+    def resolve_drafts(self) -> None:
+        """Wait for the last proposal's drafts and put their values in its token lists (the step output's
+        draft_token_ids), for a caller that must see them now."""
+        if self._pending is not None:
+            self._pending[0].resolve()
+
     def _fill_drafts(self, scheduled: list[ScheduledRequest]) -> None:
         """Replace the PLACEHOLDER drafts of the last proposal by their values (waiting for them once): in this
         step's scheduled requests, and in requests that still hold some (not scheduled since, or cut short)."""

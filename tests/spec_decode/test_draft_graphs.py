@@ -186,6 +186,29 @@ def test_drafts_left_on_the_device_feed_the_next_step(kind, sampled, tiny_checkp
     assert sum(holes) > 0 and unscheduled  # drafts fed from the device; some waited a step on the host
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+def test_resolved_drafts_reach_the_next_step_as_values(tiny_checkpoint, tmp_path):
+    """`resolve_drafts` after every step (what expert parallelism does before broadcasting rank 0's output): the
+    step outputs carry the drafts' values, the next step's input holds them on the host (no device gather),
+    and the outputs are the same."""
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), "cpu", eager_capture)
+    runner, holes, drafts = llm.engine.runner, [], []
+    fill_holes, execute = runner._fill_holes, runner.execute
+    runner._fill_holes = lambda ids, rows, *rest: holes.append(len(rows)) or fill_holes(ids, rows, *rest)
+
+    def execute_and_resolve(sched):
+        out = execute(sched)
+        runner.resolve_drafts()
+        drafts.extend(t for d in out.draft_token_ids.values() for t in d)
+        return out
+
+    runner.execute = execute_and_resolve
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), _greedy(), use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in eager.generate(_prompts(), _greedy(), use_tqdm=False)]
+    assert drafts and min(drafts) >= 0 and not holes
+
+
 def _sampled_params() -> list[SamplingParams]:
     params = _greedy()
     params[1] = SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True, seed=3)
