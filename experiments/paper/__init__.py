@@ -223,7 +223,7 @@ TABLES: dict[str, Table] = {
         title="spec_ablation on the reference target (GPU)",
         about="The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 8 layers, trained on the "
               "stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 3500 steps on the target's "
-              "own greedy continuations, ttt_steps 5, MLP 2048; the others 800); 48 output tokens per request, "
+              "own greedy continuations, ttt_steps 5, MLP 4096; the others 800); 48 output tokens per request, "
               "max(8, batch) code prompts, 3 seeds per cell; each job also runs "
               "the same workload without speculation in the same process (speedup: whole-workload output tok/s, "
               "prefill included; tpot_ratio compares decoding alone). CUDA graphs: decode and verify steps, and "
