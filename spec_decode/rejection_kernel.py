@@ -155,8 +155,6 @@ def fused_rejection_sample(
     draft_probs: torch.Tensor | None,  # [drafts, V] float32, or None: one-hot q
     host: torch.Tensor,  # [n, 3K + 5] int64 on the device, `pack_host`'s rows
     k_max: int,
-    *,
-    block: int | None = None,  # columns per iteration (power of 2); tests shrink it
 ) -> torch.Tensor:  # [n, k_max + 1] int64, -1 in slots not emitted
     n, V = host.shape[0], target_probs.shape[-1]
     assert host.shape[1] == 3 * k_max + 5 and host.dtype == torch.int64, host.shape
@@ -165,7 +163,7 @@ def fused_rejection_sample(
     out = torch.empty(n, k_max + 1, dtype=torch.int64, device=target_probs.device)
     if n == 0:
         return out
-    block = block or min(_MAX_BLOCK, next_power_of_2(V))
+    block = min(_MAX_BLOCK, next_power_of_2(V))  # tests shrink _MAX_BLOCK
     q = draft_probs if draft_probs is not None else target_probs
     _rejection_kernel[(n,)](
         target_probs, q, host, out, target_probs.stride(0), q.stride(0), V, k_max,
