@@ -194,14 +194,14 @@ class ModelRunner:
         else:  # [num_sample_rows, vocab]
             logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         scheduled = sched.scheduled
-        if self._pending is not None and any(s.spec_token_ids for s in scheduled):
-            self._fill_drafts(scheduled)  # waits for the drafts' copy, queued before this step's forward
         if not any(s.spec_token_ids for s in scheduled):
             pending = self._launch_sampling(sched, sample_rows, logits, greedy_ids)
             if self.proposer is None:
                 return pending
             output, num_rejected = self.collect(pending), [0] * len(scheduled)
         else:
+            if self._pending is not None:
+                self._fill_drafts(scheduled)  # waits for the drafts' copy, queued before this step's forward
             emitted, num_rejected, logprobs = verify_drafts(scheduled, sample_rows, logits, greedy_ids,
                                                             self.draft_probs, self.vocab_size, self.device)
             output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
@@ -308,8 +308,6 @@ class ModelRunner:
         buf, bs = self.buffers, self.block_size
         if self._inputs_copied is not None:  # the previous step's copies must have left the host buffers
             self._inputs_copied.synchronize()
-        if self._pending is not None and self._pending[0].pending is None:  # resolved already: no need to wait
-            self._fill_drafts(scheduled)
         num_reqs = len(scheduled)
         tokens: list[int] = []
         num_new = np.empty(num_reqs, dtype=np.int64)

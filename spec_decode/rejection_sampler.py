@@ -72,8 +72,6 @@ def rejection_sample(
     valid = slot[None, :] < num_drafts[:, None]  # [num_reqs, k_max]
     drafts = np.zeros((num_reqs, k_max), dtype=np.int64)
     drafts[valid] = [t for d in draft_token_ids for t in d]
-    target_rows = np.where(valid, cu_target[:, None] + slot, 0)
-    draft_rows = np.where(valid, cu_draft[:, None] + slot, 0)
     # Noise keys of every final token request i might emit, one per n_acc in 0 .. k_max: a recovery draws from
     # the RECOVER stream at position + n_acc, the bonus (n_acc = k_i) from the plain sampler's SAMPLE stream,
     # so a zero-draft request gets exactly the token it would sample without speculation.
@@ -90,6 +88,8 @@ def rejection_sample(
         return fused_rejection_sample(target_probs.float().contiguous(),
                                       None if draft_probs is None else draft_probs.float().contiguous(),
                                       rng.to_device(torch.from_numpy(packed), torch.int64, device), k_max)
+    target_rows = np.where(valid, cu_target[:, None] + slot, 0)
+    draft_rows = np.where(valid, cu_draft[:, None] + slot, 0)
     host = np.concatenate([a.reshape(-1).astype(np.int64) for a in (
         drafts, target_rows, draft_rows, valid, num_drafts, cu_draft, cu_target, greedy_host,
         final_keys.view(np.int64))])
