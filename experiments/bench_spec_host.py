@@ -28,7 +28,9 @@ the same code differed by up to 1.4x in ms/token on that machine, while their ph
 
 Same-process A/B rows (eagle3):
 - greedy: "eagle3 synced" waits for each step's drafts inside `propose`, as every step did before drafts stayed
-  on the device (`research_lm.spec.PendingDrafts`);
+  on the device (`research_lm.spec.PendingDrafts`); "eagle3 verify first" never drafts before verification
+  (`EagleProposer.propose_before_verification` declines), so the host verifies, then stages the drafting, as
+  every step did before the "verified" draft graph;
 - `--temperature` above 0: "eagle3 torch rejection" runs with `research_lm.ops.FUSED_DEVICE_TYPES` emptied, so
   the rejection sampler takes its torch path instead of its kernel (spec_decode/rejection_kernel.py). The
   graphs keep the kernels they captured; what else runs eagerly at T = 1 is the plain sampler's race at prompt
@@ -105,6 +107,12 @@ def sync_drafts(llm: LLM) -> LLM:
     return llm
 
 
+def verify_first(llm: LLM) -> LLM:
+    """The A/B switch: the proposer never drafts before the host has verified the step."""
+    llm.engine.runner.proposer.propose_before_verification = lambda outcome: False
+    return llm
+
+
 def build(args: argparse.Namespace, spec: dict[str, Any] | None) -> LLM:
     device = torch.device(args.device)
     return LLM("tiny-llama", device=args.device, cuda_graphs=device.type == "cuda", max_num_seqs=args.batch,
@@ -127,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch_rejection = f"{args.method} torch rejection"
     if args.method == "eagle3" and args.temperature == 0.0:
         engines[f"{args.method} synced"] = sync_drafts(build(args, SPECS[args.method]))
+        engines[f"{args.method} verify first"] = verify_first(build(args, SPECS[args.method]))
     elif args.method == "eagle3":
         engines[torch_rejection] = build(args, SPECS[args.method])
     timers = {run: instrument(llm) for run, llm in engines.items()}

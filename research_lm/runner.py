@@ -194,6 +194,11 @@ class ModelRunner:
         else:  # [num_sample_rows, vocab]
             logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         scheduled = sched.scheduled
+        outcome = StepOutcome(
+            requests=[s.request for s in scheduled], emitted=[], input_ids=input_ids, positions=positions,
+            query_start_loc_cpu=common.query_start_loc_cpu, hidden_states=hidden, aux_hidden_states=aux,
+            num_rejected=[], common=common, attn_metadata=attn_metadata,
+        )
         if not any(s.spec_token_ids for s in scheduled):
             pending = self._launch_sampling(sched, sample_rows, logits, greedy_ids)
             if self.proposer is None:
@@ -202,18 +207,15 @@ class ModelRunner:
         else:
             if self._pending is not None:
                 self._fill_drafts(scheduled)  # waits for the drafts' copy, queued before this step's forward
+            if greedy_ids is not None:
+                greedy_ids = self._drafting_before_verification(outcome, greedy_ids)
             emitted, num_rejected, logprobs = verify_drafts(scheduled, sample_rows, logits, greedy_ids,
                                                             self.draft_probs, self.vocab_size, self.device)
             output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
                                   logprobs=logprobs, num_draft_tokens=[len(s.spec_token_ids) for s in scheduled])
             output.verify_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
-        outcome = StepOutcome(
-            requests=[s.request for s in scheduled], emitted=output.sampled_token_ids, input_ids=input_ids,
-            positions=positions, query_start_loc_cpu=common.query_start_loc_cpu,
-            hidden_states=hidden, aux_hidden_states=aux, num_rejected=num_rejected, common=common,
-            attn_metadata=attn_metadata,
-        )
+        outcome.emitted, outcome.num_rejected = output.sampled_token_ids, num_rejected
         if self._pending is not None:  # the next proposal overwrites the last one's device drafts
             self._fill_drafts(scheduled)
         proposal: Proposal = self.proposer.propose(outcome)
@@ -225,6 +227,21 @@ class ModelRunner:
             self._pending = (proposal, outcome.requests)
         self.draft_probs.update(proposal.probs)
         return PendingStep(sched, output=output)
+
+    def _drafting_before_verification(self, outcome: StepOutcome, greedy_ids: torch.Tensor) -> torch.Tensor:
+        """Where the proposer launches its drafting behind the verify forward (`propose_before_verification`),
+        the verify's argmax [num_sample_rows] on the host, its copy queued before the drafting: the host waits for
+        it alone while the drafter runs. Else the argmax on the device, as it came."""
+        early = getattr(self.proposer, "propose_before_verification", None)
+        if early is None:
+            return greedy_ids
+        host, copied = self._host_ids.start_copy(greedy_ids)
+        outcome.greedy_ids = greedy_ids
+        if not early(outcome):
+            return greedy_ids
+        if copied is not None:
+            copied.synchronize()
+        return host
 
     def resolve_drafts(self) -> None:
         """Wait for the last proposal's drafts and put their values in its token lists (the step output's

@@ -33,6 +33,8 @@ class StepOutcome:
     # The step's batch: block tables (shared with a drafter's own KV), seq lens, slots.
     common: CommonAttentionMetadata
     attn_metadata: dict[str, Any]  # backend name -> metadata, as the target's layers saw it
+    greedy_ids: torch.Tensor | None = None  # [num_tokens] the target's argmax per row, on the device, when a
+    # graph computed it: what `propose_before_verification` drafts from (its acceptance computed on the device)
 
 
 @dataclass
@@ -76,7 +78,11 @@ class Proposer(Protocol):
     """Optional attributes the runner/engine read with getattr: `cache_layers` (the drafter's
     `CacheLayer`s, allocated with the target's and sharing its block tables) and
     `num_lookahead_tokens` (KV slots the drafter writes past the verified tokens) and
-    `needs_last_hit_block_recomputed` (its cached rows depend on the token after them: EAGLE)."""
+    `needs_last_hit_block_recomputed` (its cached rows depend on the token after them: EAGLE) and
+    `propose_before_verification(outcome) -> bool`: the runner calls it on a verify step right after the target's
+    forward, before the host knows the emitted tokens (`outcome.emitted` still empty); a proposer that launches
+    its drafting there (on the device, from `outcome.greedy_ids`) returns True, and `propose` then only hands
+    out the drafts."""
 
     num_speculative_tokens: int
     # Target layers whose input residual streams the proposer consumes (EAGLE-3); () for none.

@@ -32,12 +32,21 @@ Persistent buffers, allocated once for the largest size A (a replay reads them w
                                    budget: the scheduler allocated slots for the drafts the request asked for,
                                    no more. Step j reads draft j as its ids and (EAGLE) the previous step's
                                    output as its feature, in place: no copies between the steps' forwards
+    verified [2, Aq] int64         "verified": the verify step's argmax and input ids (request r at rows r*q ..)
     drafts [k, A] int64            drafts 1 .. k of each request (row j: draft j + 1); the next step's forward
                                    reads them here, and `drafts_host` (pinned) receives a copy of all of it
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
 Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
 writing no KV; their drafts are dropped on the host.
+
+A third rule, "verified", drafts before the host knows what the target emitted (`run(verified=...)`): for
+an all-greedy step where every request verified k drafts (q = k + 1 rows each, request r at rows r*q ..),
+a prologue inside the graph takes the verify forward's argmax g and input x (copied into `verified`),
+accepts while x[j + 1] == g[j] (n_acc), and enters the tokens the request emits, g[0 .. n_acc], at positions
+c .. c + n_acc: rows past n_acc write no KV and feed nothing. Draft 1 is picked at row r*q + n_acc, and the
+budget min(k, room - n_acc - 2) (`spec_decode.heads.draft_budget`) comes from each request's room, staged
+in place of the budget. The host waits for the verify's ids alone while this graph runs.
 
 Used when a pick rule serves every drafting request (no penalties or min_tokens ban; with sampling no
 top-k, top-p or min-p; logprobs do not matter, drafts never return them) and the batch fits the largest
@@ -152,15 +161,20 @@ class DraftGraphs:
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
         self.temperature_host = torch.ones(a, dtype=torch.float32, pin_memory=pin)
         self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
-        self._replay: dict[tuple[int, bool], Callable[[], Any]] = {}  # (size, sampled) -> replay
+        # "verified" needs q = k + 1 rows per request, and a drafter fed by features (EAGLE): a draft model's
+        # entry starts below the verified tokens.
+        self.drafts_verified = query_len == num_speculative_tokens + 1 and features is not None
+        self.verified = torch.zeros(2, a * q, **i64)
+        self._replay: dict[tuple[int, str], Callable[[], Any]] = {}  # (size, rule) -> replay
         self._entry, self._step, self._logits, self._argmax = entry, step, logits, argmax
         self._backends = {layer.backend.name: layer.backend for layer in layers}
         self._max_seq_len = max_seq_len
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        rules = ("argmax", "sample", "verified") if self.drafts_verified else ("argmax", "sample")
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            for sampled in (False, True):
+            for rule in rules:
                 self._fill_for_capture(_Layout(size, q))
-                self._replay[size, sampled] = capture(self._draft_fn(_Layout(size, q), sampled), pool)
+                self._replay[size, rule] = capture(self._draft_fn(_Layout(size, q), rule), pool)
 
     def _record(self, qsl, seq_lens, slots, num_reqs: int, num_tokens: int, max_query_len: int) -> dict[str, Any]:
         """Each backend's metadata over these buffers, built once at capture."""
@@ -187,13 +201,17 @@ class DraftGraphs:
         self.entry_seq_lens[: lay.b].copy_(host[lay.request(1)])
         self.query_start_loc[: lay.b + 1].copy_(torch.arange(lay.b + 1))
         self.seq_lens[:, : lay.b].fill_(1)
+        self.verified.zero_()  # "verified": padding rows keep reading token 0
 
-    def _draft_fn(self, lay: _Layout, sampled: bool) -> Callable[[], None]:
+    def _draft_fn(self, lay: _Layout, rule: str) -> Callable[[], None]:
         b, t, bs, vocab = lay.b, lay.t, self.block_size, self.vocab_size
         st = self.staging
         ids_in, pos_in, req_in = st[lay.token(0)], st[lay.token(1)], st[lay.token(2)]
         qsl_in, seq_lens_in, last, budget = (st[lay.request(i)] for i in range(4))
         seeds, out_pos, greedy_in = (st[lay.request(i)] for i in (5, 6, 7))
+        sampled = rule == "sample"
+        offset = torch.arange(lay.q, device=st.device)  # row j of each request's q
+        verified = self.verified[:, :t].view(2, b, lay.q)  # "verified": argmax g and input x per request row
         temperature, probs = self.temperature[:b], self.probs[:b]
         entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
         features = None if self.features is None else self.features[:t]
@@ -223,25 +241,35 @@ class DraftGraphs:
             probs[:, j].copy_(q)
             drafts[j].copy_(random_sample(q, seeds, out_pos + j, rng.DRAFT))  # one-hot rows race to their argmax
 
+        def accept() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            """"verified": the emitted tokens as entry ids, the rows that write KV, last rows, budgets."""
+            g, x = verified
+            n_acc = (x[:, 1:] == g[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [b] drafts accepted
+            writes = (req_in >= 0) & (offset <= n_acc[:, None]).view(t)
+            room = budget  # staged in the budgets' place
+            last_row = lay.q * torch.arange(b, device=st.device) + n_acc
+            return g.reshape(t), writes, last_row, (room - n_acc - 2).clamp(min=0, max=self.k)
+
         @torch.inference_mode()
         def draft() -> None:
+            ids, writes, last_row, budgets = (ids_in, req_in >= 0, last, budget) if rule != "verified" else accept()
             entry_qsl.copy_(qsl_in)
             entry_seq_lens.copy_(seq_lens_in)
-            entry_slots.copy_(slot_of(req_in.clamp(min=0), pos_in, req_in >= 0))
-            out, carry = self._entry(ids_in, pos_in, entry_md, features)
-            pick(out[last], 0)
+            entry_slots.copy_(slot_of(req_in.clamp(min=0), pos_in, writes))
+            out, carry = self._entry(ids, pos_in, entry_md, features)
+            pick(out[last_row], 0)
             if self.k == 1:
                 return
             real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
             qsl[1:].copy_(torch.cumsum(real, 0))
             # Step j feeds draft j at position last + j; a row feeds (and writes KV) only below last + budget.
-            pos = pos_in[last] + 1 + self.chain_steps  # [k-1, b]
-            feeds = real & (pos < pos_in[last] + budget)
+            pos = pos_in[last_row] + 1 + self.chain_steps  # [k-1, b]
+            feeds = real & (pos < pos_in[last_row] + budgets)
             seq_lens.copy_(torch.where(real, pos + 1, 0))
             slots.copy_(slot_of(torch.arange(b, device=pos.device).expand_as(pos), pos, feeds))
             positions.copy_(torch.where(feeds, pos, 0))
             if carry is not None:
-                carry = carry[last]
+                carry = carry[last_row]
             for j in range(1, self.k):
                 out, carry = self._step(drafts[j - 1], positions[j - 1], chain_md[j - 1], carry)
                 pick(out, j)
@@ -273,17 +301,19 @@ class DraftGraphs:
         self,
         block_table: torch.Tensor,  # [step's requests, >= blocks] the target step's block table
         rows: Sequence[int],  # [n] each request's row in it
-        tokens: Sequence[int],  # [T] the entry rows' tokens, request after request
+        tokens: Sequence[int],  # [T] the entry rows' tokens, request after request (ignored when `verified`)
         starts: Sequence[int],  # [n] position of each request's first entry row
         lens: Sequence[int],  # [n] its entry rows (1 .. q)
         budgets: Sequence[int],  # [n] drafts it wants (0: none; its entry rows still write the drafter's KV)
         features: Callable[[torch.Tensor], torch.Tensor] | None = None,  # feature rows [T] (device) -> [T, F]
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
         sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
+        verified: tuple[torch.Tensor, torch.Tensor] | None = None,  # the "verified" rule: the verify step's
+        # argmax and input ids [n * q] (device); `tokens` are then ignored and `budgets` are each request's room
     ) -> torch.Tensor | None:  # "sample": q [n, k, V]
         """Replay the step's graph. Request r's drafts 1 .. budget stay in `drafts[:, r]` until the next replay
         (`pending` hands them out), their copy to the host under way."""
-        n, num_tokens = len(lens), len(tokens)
+        n, num_tokens = len(lens), sum(lens)
         size = self.padded_size(n)
         assert size is not None and max(lens) <= self.query_len and (features is None) == (self.features is None)
         lay = _Layout(size, self.query_len)
@@ -293,7 +323,8 @@ class DraftGraphs:
         host = self.staging_host[: lay.size].numpy()
         host[:] = 0
         token, request = (lambda i: host[lay.token(i)]), (lambda i: host[lay.request(i)])
-        token(0)[:num_tokens] = tokens
+        if verified is None:
+            token(0)[:num_tokens] = tokens
         req_of_token = np.repeat(np.arange(n), lens_np)
         offset = np.asarray(starts) - (ends - lens_np)  # position - token index, per request
         token(1)[:num_tokens] = np.arange(num_tokens) + offset[req_of_token]
@@ -322,7 +353,13 @@ class DraftGraphs:
         self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
         if features is not None:
             self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
-        self._replay[size, sampling is not None]()
+        rule = "sample" if sampling is not None else "argmax"
+        if verified is not None:
+            assert self.drafts_verified and sampling is None and num_tokens == n * self.query_len
+            for dst, src in zip(self.verified, verified, strict=True):
+                dst[:num_tokens].copy_(src)
+            rule = "verified"
+        self._replay[size, rule]()
         self.drafts_host.copy_(self.drafts, non_blocking=True)  # all of it: one contiguous copy
         if self.drafts_copied is not None:
             self.drafts_copied.record()

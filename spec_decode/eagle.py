@@ -53,6 +53,7 @@ from research_lm.models.layers import (
     rope_parameters,
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
+from research_lm.request import Request
 from research_lm.spec import Proposal, StepOutcome
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
@@ -237,6 +238,7 @@ class EagleProposer:
         self.max_model_len = max_model_len
         self.cache_layers = cache_layers_of(head)
         self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
+        self._drafted_before_verification: StepOutcome | None = None  # the step whose drafts are under way
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         embed = self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
@@ -275,9 +277,37 @@ class EagleProposer:
         rows = torch.tensor(feature_rows, dtype=torch.int64, device=device)
         return self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
 
+    def propose_before_verification(self, outcome: StepOutcome) -> bool:
+        """Draft this step from the "verified" graph (spec_decode/draft_graphs.py), right behind the verify forward
+        and before the host knows what the target emitted: where every request is a plain-greedy decode that
+        verifies k drafts (q = k + 1 rows each) and a graph fits the batch. For request r the entry is then its
+        emitted tokens (the verify's argmax at rows 0 .. n_acc) at positions c .. c + n_acc, exactly the rows
+        `propose` would enter, and its drafts are the same. True when launched."""
+        graphs, reqs, common = self.graphs, outcome.requests, outcome.common
+        q = self.num_speculative_tokens + 1
+        if (graphs is None or not graphs.drafts_verified or outcome.greedy_ids is None or not graphs.serves(len(reqs))
+                or common.max_query_len != q or common.num_tokens != q * len(reqs)):
+            return False
+        computed = common.num_computed_tokens_cpu.tolist()
+        if not all(c + 1 == r.num_tokens and _plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
+            return False
+        # Each request's room before this step's tokens; the graph subtracts what it emits (`draft_budget`).
+        rooms = [min(self.max_model_len - r.num_tokens, self.max_model_len if r.sampling_params.max_tokens is None
+                     else r.sampling_params.max_tokens - r.num_output_tokens) for r in reqs]
+        t = common.num_tokens
+        graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
+                   features=lambda _: self._target_features(outcome, slice(0, t)),
+                   verified=(outcome.greedy_ids[:t], outcome.input_ids[:t]))
+        self._drafted_before_verification = outcome
+        return True
+
     def propose(self, outcome: StepOutcome) -> Proposal:
         reqs, emitted = outcome.requests, outcome.emitted
         drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
+        if self._drafted_before_verification is outcome:  # the graph drafted what this step emitted
+            self._drafted_before_verification = None
+            drafting.left_on_device(self.graphs, {i: i for i in drafting.index})
+            return drafting.proposal(reqs)
         qsl = outcome.query_start_loc_cpu.tolist()
         computed = outcome.common.num_computed_tokens_cpu.tolist()
         # Rows (x[t+1], feature_t) for the verified positions t = c .. end-1 of every request.
@@ -333,6 +363,14 @@ class EagleProposer:
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         pass  # no per-request state: each step recomputes from the target's computed tokens
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Its next tokens, drafts included, are the argmax of raw logits: greedy, and no penalty, logit_bias,
+    allowed_token_ids or min_tokens ban (`SamplingBatch.plain_argmax` at every position from here on)."""
+    sp = req.sampling_params
+    return (sp.greedy and not sp.penalized and sp.logit_bias is None and sp.allowed_token_ids is None
+            and req.num_output_tokens >= sp.min_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -275,14 +275,17 @@ class Drafting:
             features=features, feature_rows=None if feature_rows is None else kept[1],
             sampling=self.sampling(batch_rows) if rule == "sample" else None,
         )
-        # Graph row r holds the drafts of the request at step row batch_rows[r]; their values stay on the
-        # device (PLACEHOLDERs here) until the runner verifies them.
         by_row = {i: r for r, i in enumerate(batch_rows)}
+        self.left_on_device(graphs, by_row)
+        if probs is not None:
+            self.probs = [probs[by_row[i], :b] for i, b in zip(self.index, self.budget, strict=True)]
+
+    def left_on_device(self, graphs: DraftGraphs, by_row: dict[int, int]) -> None:
+        """The last replay drafted for these requests (graph row by_row[i] holds the request at step row i): their
+        drafts stay on the device (PLACEHOLDERs here) until the runner verifies them."""
         self.tokens = [[PLACEHOLDER] * b for b in self.budget]
         if self.index:
             self.pending = graphs.pending({req.request_id: by_row[i] for req, i in zip(self.requests, self.index)})
-        if probs is not None:
-            self.probs = [probs[by_row[i], :b] for i, b in zip(self.index, self.budget, strict=True)]
 
     def proposal(self, all_requests: Sequence[Request]) -> Proposal:
         token_ids = {r.request_id: [] for r in all_requests}

@@ -14,8 +14,9 @@ import bench_spec_host  # noqa: E402  (experiments/ is a folder of scripts, not 
 def test_bench_spec_host_times_every_phase_on_cpu(tmp_path):
     payload = bench_spec_host.main(["--device", "cpu", "--tokens", "6", "--repeats", "1", "--out", str(tmp_path)])
     rows = {r["run"]: r for r in payload["rows"]}
-    assert set(rows) == {"plain", "eagle3", "eagle3 synced"}
-    assert rows["plain"]["tau"] == 1.0 and rows["eagle3"]["tau"] == rows["eagle3 synced"]["tau"] >= 1.0
+    assert set(rows) == {"plain", "eagle3", "eagle3 synced", "eagle3 verify first"}
+    assert rows["plain"]["tau"] == 1.0
+    assert rows["eagle3"]["tau"] == rows["eagle3 synced"]["tau"] == rows["eagle3 verify first"]["tau"] >= 1.0
     assert "verify_us" not in rows["plain"] and "propose_us" not in rows["plain"]
     assert all(f"{p}_us" in rows["eagle3"] for p in bench_spec_host.PHASES)
     assert rows["eagle3"]["step_us"] > rows["eagle3"]["propose_us"] > 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from research_lm import LLM, SamplingParams
-from research_lm.cuda_graphs import cuda_graph_capture, eager_capture
+from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
 from spec_decode.draft_graphs import DraftGraphs
 from tests.spec_decode.test_draft_model import _variant
 from tests.spec_decode.test_spec_formats import V, eagle1_tensors, eagle3_tensors, write_eagle1, write_eagle3
@@ -209,6 +209,105 @@ def test_resolved_drafts_reach_the_next_step_as_values(tiny_checkpoint, tmp_path
     assert drafts and min(drafts) >= 0 and not holes
 
 
+def _with_verify_graphs(llm: LLM) -> list[int]:
+    """Give the target verify graphs (query length k + 1, re-run on CPU) beside the draft graphs; the batch size
+    of every step that drafted before verification."""
+    runner, early = llm.engine.runner, []
+    runner.cuda_graphs = DecodeGraphs(
+        runner.forward, runner.buffers, runner.backends, sizes=[1, 2, 4], query_lens=[1, K + 1],
+        block_size=runner.block_size, max_seq_len=runner.max_model_len, compute_logits=runner.model.compute_logits,
+        vocab_size=runner.vocab_size, capture=eager_capture)
+    proposer = runner.proposer
+    launch = proposer.propose_before_verification
+    proposer.propose_before_verification = lambda outcome: launch(outcome) and not early.append(len(outcome.requests))
+    return early
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_greedy_verify_steps_draft_before_the_host_sees_their_tokens(kind, tiny_checkpoint, tmp_path):
+    """An all-greedy step where every request verifies k drafts from a graph drafts from the "verified" graph right
+    behind it: acceptance, entry rows, last rows and budgets computed on the device from the verify's argmax. The
+    proposals equal the eager chain's, budgets cut by max_tokens and by max_model_len (the third request runs
+    into it) included, and the outputs equal plain decoding's."""
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture, max_model_len=32)
+    early = _with_verify_graphs(llm)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 22)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, None)]
+    want, want_proposals, _ = _run(eager, prompts, params)
+    got, proposals, _ = _run(llm, prompts, params)
+    plain = LLM(str(checkpoint), device="cpu", **(KNOBS | dict(max_model_len=32))).generate(prompts, params,
+                                                                                           use_tqdm=False)
+    assert got == want == [o.outputs[0].token_ids for o in plain]
+    assert _same_proposals(proposals, want_proposals)
+    assert 3 in early and 1 in early  # padded (3 -> 4) and single-request steps drafted early
+    assert len(got[2]) == 32 - 22  # ran into max_model_len
+    assert any(0 < len(d) < K for p, _ in proposals for d in p.values())  # budgets below k were cut
+
+
+def _verified_against_entry(proposer, device: str) -> None:
+    """The "verified" rule over a verify step's argmax g and input x (request i accepting 0, 1 and k drafts, rooms
+    cutting budgets) drafts and writes the drafter's KV exactly as the "argmax" rule over the rows the host would
+    enter: the emitted tokens g[i, :n_acc + 1] at positions c .. c + n_acc, budgets min(k, room - n_acc - 2)."""
+    graphs, gen = proposer.graphs, torch.Generator().manual_seed(3)
+    q, n_acc, starts, rooms = K + 1, [0, 1, K], [3, 7, 0], [20, 4, 20]
+    n, t = len(n_acc), len(n_acc) * q
+    g = torch.randint(V, (n, q), generator=gen)
+    x = torch.randint(V, (n, q), generator=gen)
+    for i, a in enumerate(n_acc):
+        x[i, 1 : a + 1] = g[i, :a]
+        if a < K:
+            x[i, a + 1] = (g[i, a] + 1) % V
+    features = torch.randn(t, graphs.features.shape[1], generator=gen).to(device, graphs.features.dtype)
+    block_table = torch.arange(1, 1 + n * 4, dtype=torch.int32, device=device).view(n, 4)  # 16 slots each
+    budgets = [max(0, min(K, r - a - 2)) for r, a in zip(rooms, n_acc)]
+    assert budgets == [K, 1, K]  # the second cut by its room
+
+    def drafted(**run) -> tuple[list[list[int]], list[torch.Tensor]]:
+        for layer in proposer.cache_layers:
+            layer.kv_cache.zero_()
+        graphs.run(block_table, range(n), starts=starts, **run)
+        drafts = graphs.drafts[:, :n].cpu()
+        kv = [layer.kv_cache.clone() for layer in proposer.cache_layers]
+        return [drafts[:b, i].tolist() for i, b in enumerate(budgets)], kv
+
+    want_drafts, want_kv = drafted(
+        tokens=[tok for i, a in enumerate(n_acc) for tok in g[i, : a + 1].tolist()], lens=[a + 1 for a in n_acc],
+        budgets=budgets, features=lambda rows: features[rows],
+        feature_rows=[i * q + j for i, a in enumerate(n_acc) for j in range(a + 1)])
+    got_drafts, got_kv = drafted(tokens=(), lens=[q] * n, budgets=rooms, features=lambda _: features,
+                                 verified=(g.view(-1).to(device), x.view(-1).to(device)))
+    assert got_drafts == want_drafts and all(len(d) for d in got_drafts)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_kv, want_kv, strict=True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_the_verified_rule_enters_the_accepted_tokens(kind, tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("llama")
+    _, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
+    _verified_against_entry(llm.engine.runner.proposer, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+def test_steps_that_are_not_plain_greedy_verify_before_drafting(tiny_checkpoint, tmp_path):
+    """A sampled request, a penalty or a min_tokens ban in the batch keeps the usual order (verify, then draft),
+    with the same outputs as the eager chain; once the odd request finishes, the rest draft early."""
+    checkpoint = tiny_checkpoint("llama")
+    eager, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), "cpu", eager_capture)
+    early = _with_verify_graphs(llm)
+    params = _greedy()
+    params[0] = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params[2] = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=1.3)
+    params[1] = SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True, seed=3)
+    want, want_proposals, _ = _run(eager, _prompts(), params)
+    got, proposals, _ = _run(llm, _prompts(), params)
+    assert got == want and _same_proposals(proposals, want_proposals)
+    assert early and set(early) == {1}  # only request 0, alone
+
+
 def _sampled_params() -> list[SamplingParams]:
     params = _greedy()
     params[1] = SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True, seed=3)
@@ -269,6 +368,28 @@ def test_graph_chain_matches_eager_on_cuda(kind, sampled, tiny_checkpoint, tmp_p
     got, proposals, replays = _run(llm, prompts, params())
     assert got == want and _same_proposals(proposals, want_proposals)
     assert any(r.drafting == 3 and r.sampled == sampled for r in replays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_drafting_before_verification_on_cuda(kind, tiny_checkpoint, tmp_path):
+    """Real graphs: the "verified" rule against the entry rows, and whole greedy runs with the target's verify
+    graphs on (every step that can drafts early) against the eager chain and plain decoding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    checkpoint = tiny_checkpoint("llama")
+    spec = {**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}
+    eager, graphed = _pair(str(checkpoint), spec, "cuda", cuda_graph_capture)
+    _verified_against_entry(graphed.engine.runner.proposer, "cuda")
+    llm = LLM(str(checkpoint), device="cuda", speculative_config=spec, **KNOBS)  # graphs on: verify and draft
+    launch, early = llm.engine.runner.proposer.propose_before_verification, []
+    llm.engine.runner.proposer.propose_before_verification = lambda o: launch(o) and not early.append(len(o.requests))
+    prompts, params = _prompts(), [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (16, 12, 9)]
+    want, want_proposals, _ = _run(eager, prompts, params)
+    got, proposals, _ = _run(llm, prompts, params)
+    plain = LLM(str(checkpoint), device="cuda", cuda_graphs=False, **KNOBS).generate(prompts, params, use_tqdm=False)
+    assert got == want == [o.outputs[0].token_ids for o in plain]
+    assert _same_proposals(proposals, want_proposals) and 3 in early
 
 
 def test_a_drafter_that_syncs_in_forward_is_not_captured(tiny_checkpoint):
