@@ -157,7 +157,10 @@ class DraftGraphs:
         self.drafts = torch.zeros(self.k, a, **i64)  # draft j of request i at [j, i]: step j + 1 reads row j
         self.drafts_host = torch.zeros(self.k, a, dtype=torch.int64, pin_memory=pin)
         self.drafts_copied = torch.cuda.Event() if pin else None
+        # Index tensors a graph reads live here: a capture keeps the graph, not the function, so a tensor made
+        # in `_draft_fn` is freed (and its memory reused) once the capture returns.
         self.chain_steps = torch.arange(steps, **i64)[:, None]  # [k-1, 1]: 0 .. k-2
+        self.entry_offsets = torch.arange(q, **i64)  # row j of each request's q entry rows ("verified")
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
         self.temperature_host = torch.ones(a, dtype=torch.float32, pin_memory=pin)
         self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
@@ -210,7 +213,7 @@ class DraftGraphs:
         qsl_in, seq_lens_in, last, budget = (st[lay.request(i)] for i in range(4))
         seeds, out_pos, greedy_in = (st[lay.request(i)] for i in (5, 6, 7))
         sampled = rule == "sample"
-        offset = torch.arange(lay.q, device=st.device)  # row j of each request's q
+        offset = self.entry_offsets
         verified = self.verified[:, :t].view(2, b, lay.q)  # "verified": argmax g and input x per request row
         temperature, probs = self.temperature[:b], self.probs[:b]
         entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
