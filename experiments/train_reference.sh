@@ -26,7 +26,7 @@ i=0; pids=()
 # EAGLE-3 trains longest, on the target's own greedy continuations (~2 min of generation first), with training-time
 # test over 5 steps and a 4096-wide MLP (held-out acc 0.79 against 0.77 at 2048, on two targets of this recipe; tau
 # 3.36 / 4.13 / 3.61 at k = 5 on an H100: PERFORMANCE.md, ninth and tenth passes). The committed spec_ablation_h200
-# table predates this recipe: 3000 steps on the corpus text, ttt_steps 3, the target's MLP width.
+# table uses this recipe (eleventh pass).
 for head in "train_eagle3 eagle3 3500 train.head.ttt_steps=5 train.head.intermediate_size=4096 train.regenerate.fraction=1.0" \
             "train_eagle eagle 800" \
             "train_medusa medusa 800 train.head.num_heads=5" "train_draft draft 800"; do
