@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import research_lm.ops
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm import rng
 from research_lm.buffers import DeviceTokens
@@ -161,6 +162,7 @@ class DraftGraphs:
         # in `_draft_fn` is freed (and its memory reused) once the capture returns.
         self.chain_steps = torch.arange(steps, **i64)[:, None]  # [k-1, 1]: 0 .. k-2
         self.entry_offsets = torch.arange(q, **i64)  # row j of each request's q entry rows ("verified")
+        self.last_rows = torch.zeros(a, **i64)  # each request's last entry row (the bookkeeping kernel's output)
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
         self.temperature_host = torch.ones(a, dtype=torch.float32, pin_memory=pin)
         self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
@@ -244,34 +246,51 @@ class DraftGraphs:
             probs[:, j].copy_(q)
             drafts[j].copy_(random_sample(q, seeds, out_pos + j, rng.DRAFT))  # one-hot rows race to their argmax
 
-        def accept() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            """"verified": the emitted tokens as entry ids, the rows that write KV, last rows, budgets."""
-            g, x = verified
-            n_acc = (x[:, 1:] == g[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [b] drafts accepted
-            writes = (req_in >= 0) & (offset <= n_acc[:, None]).view(t)
-            room = budget  # staged in the budgets' place
-            last_row = lay.q * torch.arange(b, device=st.device) + n_acc
-            return g.reshape(t), writes, last_row, (room - n_acc - 2).clamp(min=0, max=self.k)
-
-        @torch.inference_mode()
-        def draft() -> None:
-            ids, writes, last_row, budgets = (ids_in, req_in >= 0, last, budget) if rule != "verified" else accept()
+        def bookkeeping() -> torch.Tensor:  # [b] each request's last entry row
+            """The entry's and the chain's records (spec_decode/draft_bookkeeping.py has the rule, and the kernel)."""
+            if rule == "verified":  # accept while x[j + 1] == g[j]; the room is staged in the budgets' place
+                g, x = verified
+                n_acc = (x[:, 1:] == g[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [b] drafts accepted
+                writes = (req_in >= 0) & (offset <= n_acc[:, None]).view(t)
+                last_row = lay.q * torch.arange(b, device=st.device) + n_acc
+                budgets = (budget - n_acc - 2).clamp(min=0, max=self.k)
+            else:
+                writes, last_row, budgets = req_in >= 0, last, budget
             entry_qsl.copy_(qsl_in)
             entry_seq_lens.copy_(seq_lens_in)
             entry_slots.copy_(slot_of(req_in.clamp(min=0), pos_in, writes))
-            out, carry = self._entry(ids, pos_in, entry_md, features)
+            if self.k > 1:
+                real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
+                qsl[1:].copy_(torch.cumsum(real, 0))
+                # Step j feeds draft j at position last + j; a row feeds (and writes KV) only below last + budget.
+                pos = pos_in[last_row] + 1 + self.chain_steps  # [k-1, b]
+                feeds = real & (pos < pos_in[last_row] + budgets)
+                seq_lens.copy_(torch.where(real, pos + 1, 0))
+                slots.copy_(slot_of(torch.arange(b, device=pos.device).expand_as(pos), pos, feeds))
+                positions.copy_(torch.where(feeds, pos, 0))
+            return last_row
+
+        def fused_bookkeeping() -> torch.Tensor:
+            from spec_decode.draft_bookkeeping import draft_bookkeeping  # Triton, imported when a kernel runs
+
+            draft_bookkeeping(
+                st[: lay.size], offsets, verified.view(2, t) if rule == "verified" else None, block_table, entry_qsl,
+                entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots, b=b, q=lay.q, k=self.k,
+                block_size=bs)
+            return last_rows
+
+        offsets = {"pos": lay.token(1).start, "req": lay.token(2).start, "qsl": lay.request(0).start,
+                   "seq": lay.request(1).start, "last": lay.request(2).start, "budget": lay.request(3).start}
+        last_rows = self.last_rows[:b]
+        records = fused_bookkeeping if st.device.type in research_lm.ops.FUSED_DEVICE_TYPES else bookkeeping
+        entry_ids = verified[0].reshape(t) if rule == "verified" else ids_in  # "verified": the emitted tokens
+
+        @torch.inference_mode()
+        def draft() -> None:
+            last_row = records()
+            out, carry = self._entry(entry_ids, pos_in, entry_md, features)
             pick(out[last_row], 0)
-            if self.k == 1:
-                return
-            real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
-            qsl[1:].copy_(torch.cumsum(real, 0))
-            # Step j feeds draft j at position last + j; a row feeds (and writes KV) only below last + budget.
-            pos = pos_in[last_row] + 1 + self.chain_steps  # [k-1, b]
-            feeds = real & (pos < pos_in[last_row] + budgets)
-            seq_lens.copy_(torch.where(real, pos + 1, 0))
-            slots.copy_(slot_of(torch.arange(b, device=pos.device).expand_as(pos), pos, feeds))
-            positions.copy_(torch.where(feeds, pos, 0))
-            if carry is not None:
+            if carry is not None and self.k > 1:
                 carry = carry[last_row]
             for j in range(1, self.k):
                 out, carry = self._step(drafts[j - 1], positions[j - 1], chain_md[j - 1], carry)

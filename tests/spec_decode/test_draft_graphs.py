@@ -15,9 +15,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import research_lm.ops
 from research_lm import LLM, SamplingParams
 from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
-from spec_decode.draft_graphs import DraftGraphs
+from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 from tests.spec_decode.test_draft_model import _variant
 from tests.spec_decode.test_spec_formats import V, eagle1_tensors, eagle3_tensors, write_eagle1, write_eagle3
 
@@ -289,6 +290,64 @@ def test_the_verified_rule_enters_the_accepted_tokens(kind, tiny_checkpoint, tmp
     checkpoint = tiny_checkpoint("llama")
     _, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
     _verified_against_entry(llm.engine.runner.proposer, "cpu")
+
+
+def _bookkeeping_cases(device: str, width: int) -> list[dict]:
+    """`DraftGraphs.run` arguments for 3 requests: entries of 1, 2 and 4 rows with budgets k, 1 and 0 ("argmax"),
+    then the same with the "sample" rule, then "verified" with 0, 1 and k drafts accepted and one room cut."""
+    gen = torch.Generator().manual_seed(4)
+    q, n = K + 1, 3
+    g, x = torch.randint(V, (n, q), generator=gen), torch.randint(V, (n, q), generator=gen)
+    x[0, 1], x[1, 1], x[1, 2], x[2, 1:] = g[0, 0] + 1, g[1, 0], g[1, 1] + 1, g[2, :K]  # 0, 1 and k accepted
+    features = torch.randn(n * q, width, generator=gen)
+    common = dict(starts=[3, 7, 0], features=lambda rows: features[rows.cpu() % (n * q)].to(device))
+    packed = dict(tokens=[5, 6, 7, 8, 9, 10, 11], lens=[1, 2, 4], budgets=[K, 1, 0], feature_rows=list(range(7)))
+    sampling = DraftSampling(temperature=[1.0, 0.5, 1.0], greedy=[True, False, False], seeds=[1, 2, 3],
+                             positions=[4, 5, 6])
+    return [common | packed, common | packed | dict(sampling=sampling),
+            common | dict(tokens=(), lens=[q] * n, budgets=[20, 4, 20], features=lambda _: features.to(device),
+                          verified=(g.view(-1).to(device), x.view(-1).to(device)))]
+
+
+def _bookkeeping_of(proposer, device: str, fused: bool, monkeypatch) -> list[dict[str, torch.Tensor]]:
+    """Every record a replay leaves (entry, chain, last rows), the drafts (the padding row's are noise: its chain
+    attends over nothing) and the drafter's KV, per case, from graphs
+    captured with the bookkeeping kernel (`fused`) or the torch path; the rest of the forward stays on torch."""
+    with monkeypatch.context() as mp:
+        mp.setattr(research_lm.ops, "FUSED_DEVICE_TYPES", (device,) if fused else ())
+        proposer.capture_cuda_graphs(sizes=[4], capture=eager_capture, block_size=4, max_blocks_per_req=12)
+    graphs, out = proposer.graphs, []
+    block_table = torch.arange(1, 13, dtype=torch.int32, device=device).view(3, 4)
+    for case in _bookkeeping_cases(device, graphs.features.shape[1]):
+        for layer in proposer.cache_layers:
+            layer.kv_cache.zero_()
+        graphs.run(block_table, range(3), **case)
+        out.append({name: getattr(graphs, name).clone() for name in (
+            "entry_qsl", "entry_seq_lens", "entry_slots", "query_start_loc", "seq_lens", "slot_mapping", "positions",
+            )} | {"drafts": graphs.drafts[:, :3].clone(), "last": graphs.last_rows[:3].clone() if fused else None,
+                          "kv": torch.stack([layer.kv_cache for layer in proposer.cache_layers])})
+    return out
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant")),
+    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_bookkeeping_kernel_writes_what_the_torch_path_writes(device, tiny_checkpoint, tmp_path, monkeypatch):
+    """spec_decode/draft_bookkeeping.py (under the interpreter on CPU): every entry and chain record, and so the
+    drafts and the drafter's KV, equal the torch path's for the "argmax", "sample" and "verified" rules (padding
+    row included)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    checkpoint = tiny_checkpoint("llama")
+    _, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), device, eager_capture)
+    proposer = llm.engine.runner.proposer
+    want = _bookkeeping_of(proposer, device, False, monkeypatch)
+    got = _bookkeeping_of(proposer, device, True, monkeypatch)
+    for case, (w, g) in enumerate(zip(want, got, strict=True)):
+        for name in w:
+            if name != "last":
+                assert torch.equal(w[name], g[name]), (case, name)
+    assert got[2]["last"].tolist() == [0, 4 + 1, 8 + K]  # "verified": 0, 1 and k accepted
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
