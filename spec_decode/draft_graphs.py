@@ -48,6 +48,10 @@ c .. c + n_acc: rows past n_acc write no KV and feed nothing. Draft 1 is picked 
 budget min(k, room - n_acc - 2) (`spec_decode.heads.draft_budget`) comes from each request's room, staged
 in place of the budget. The host waits for the verify's ids alone while this graph runs.
 
+Before the forwards, a replay computes the entry's and the chain's records (and, "verified", the acceptance):
+on CUDA in one Triton kernel (spec_decode/draft_bookkeeping.py: ~40 small kernels fewer per replay), elsewhere
+with the torch code in `_draft_fn`, which is the kernel's reference.
+
 Used when a pick rule serves every drafting request (no penalties or min_tokens ban; with sampling no
 top-k, top-p or min-p; logprobs do not matter, drafts never return them) and the batch fits the largest
 size; otherwise the proposer drafts eagerly. An entry longer than q rows (a prompt, or a prompt chunk) is
