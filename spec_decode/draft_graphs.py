@@ -128,7 +128,7 @@ class DraftGraphs:
         entry: DraftForward,  # the entry forward: features [T, F] (or None) as the last argument
         step: DraftForward,  # one chained step: the carry [T, H] (or None) as the last argument
         logits: Callable[[torch.Tensor], torch.Tensor],  # out [n, H] -> [n, >= vocab] fp32
-        argmax: Callable[[torch.Tensor], torch.Tensor] | None,  # out [n, H] -> logits' argmax [n] int64, cheaper
+        argmax: Callable[..., torch.Tensor] | None,  # (out [n, H], out=[n] int64) -> the logits' argmax, cheaper
         layers: Sequence[CacheLayer],  # the drafter's attention layers (their backends build the metadata)
         num_speculative_tokens: int,
         vocab_size: int,
@@ -240,7 +240,7 @@ class DraftGraphs:
         def pick(out: torch.Tensor, j: int) -> None:  # out [b, H] -> drafts[j] (and probs[:, j])
             if not sampled:
                 if self._argmax is not None:
-                    drafts[j].copy_(self._argmax(out))
+                    self._argmax(out, out=drafts[j])
                 else:
                     torch.argmax(self._logits(out)[:, :vocab], dim=-1, out=drafts[j])
                 return

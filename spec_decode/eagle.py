@@ -195,10 +195,12 @@ class Eagle3Head(nn.Module):
         out[:, self.draft_to_target] = draft_logits
         return out
 
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n] int64 target ids
-        """`compute_logits(hidden).argmax(-1)` without the scatter. Equal on ties only when draft ids ascend
-        with their target ids (`draft_vocab_ascends`), as they do in the published heads."""
-        return self.draft_to_target[compute_logits(self.lm_head, hidden).argmax(dim=-1)]
+    def argmax(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [n, H] -> [n] int64
+        """`compute_logits(hidden).argmax(-1)` as target ids, without the scatter or the fp32 copy (exact, so the same
+        order), into `out` if given. Equal on ties only when draft ids ascend with their target ids
+        (`draft_vocab_ascends`), as they do in the published heads."""
+        ids = torch.nn.functional.linear(hidden, self.lm_head.weight).argmax(dim=-1)
+        return torch.index_select(self.draft_to_target, 0, ids, out=out)
 
     @property
     def draft_vocab_ascends(self) -> bool:
@@ -258,7 +260,7 @@ class EagleProposer:
             return self.head.compute_logits(out)
         return self.target.compute_logits(out)
 
-    def _greedy_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def _greedy_argmax(self) -> Callable[..., torch.Tensor] | None:
         """EAGLE-3's argmax over its draft vocabulary, mapped to target ids (no scatter to the target's)."""
         head = self.head
         if isinstance(head, Eagle3Head) and head.lm_head is not None and head.draft_vocab_ascends:
