@@ -47,6 +47,19 @@ class PendingDrafts:
     host: torch.Tensor  # the copy's destination: the same layout as tokens.ids
     ready: torch.cuda.Event | None  # fires when `host` holds the drafts; None: it already does (CPU)
 
+    @classmethod
+    def start(cls, drafts: torch.Tensor, rows: dict[str, int]) -> PendingDrafts:
+        """Drafts [R, k] on the device (request id -> its row), their copy to pinned host memory started."""
+        if drafts.device.type != "cuda":
+            host, ready = drafts, None
+        else:
+            host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+            host.copy_(drafts, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        k = drafts.shape[1]
+        return cls(DeviceTokens(drafts.view(-1), {r: row * k for r, row in rows.items()}), host, ready)
+
 
 @dataclass
 class Proposal:

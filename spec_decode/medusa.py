@@ -25,7 +25,8 @@ from torch import nn
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, load_params
 from research_lm.models.layers import Linear
 from research_lm.models.loader import checkpoint_files
-from research_lm.spec import Proposal, StepOutcome
+from research_lm.request import PLACEHOLDER
+from research_lm.spec import PendingDrafts, Proposal, StepOutcome
 from spec_decode.heads import (
     check_names,
     check_shape,
@@ -71,7 +72,9 @@ class MedusaHeads(nn.ModuleList):
 
 
 class MedusaProposer:
-    """`research_lm.spec.Proposer`: draft j of a request is head j's choice at its last verified row."""
+    """`research_lm.spec.Proposer`: draft j of a request is head j's choice at its last verified row. Greedy drafts
+    stay on the device (`PendingDrafts`): the next step's forward reads them there, and nothing waits for the heads
+    before that step verifies them."""
 
     aux_hidden_state_layers: tuple[int, ...] = ()
 
@@ -99,9 +102,10 @@ class MedusaProposer:
         ]
         hidden = outcome.hidden_states[torch.tensor(rows, dtype=torch.int64, device=outcome.hidden_states.device)]
         logits = self.heads(hidden, self.num_speculative_tokens)  # [R, k, V]: heads past k would go unused
-        if drafting.pick_rule(self.vocab_size) == "argmax":  # every draft a raw argmax: one pass, one copy
-            top = logits[:, :, : self.vocab_size].argmax(dim=-1).tolist()
-            drafting.tokens = [t[:b] for t, b in zip(top, drafting.budget, strict=True)]
+        if drafting.pick_rule(self.vocab_size) == "argmax":  # every draft a raw argmax, left on the device
+            top = logits[:, :, : self.vocab_size].argmax(dim=-1)  # [R, k]
+            drafting.tokens = [[PLACEHOLDER] * b for b in drafting.budget]
+            drafting.pending = PendingDrafts.start(top, {r.request_id: a for a, r in enumerate(drafting.requests)})
             return drafting.proposal(reqs)
         for j in range(self.num_speculative_tokens):
             active = drafting.active(j)

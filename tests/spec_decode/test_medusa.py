@@ -55,14 +55,16 @@ def test_medusa_greedy_identity_and_reference_drafts(tiny_checkpoint, hf_model, 
     tensors = medusa_tensors(31, num_heads=4)
     head = write_medusa(tmp_path / "medusa", tensors)
     llm = LLM(path, **KNOBS, speculative_config={"method": "medusa", "model": str(head), "num_speculative_tokens": 3})
-    proposer, records = llm.engine.runner.proposer, []
+    proposer, records, left_on_device = llm.engine.runner.proposer, [], []
     propose = proposer.propose
 
     def spy(outcome):
         proposal = propose(outcome)
+        left_on_device.append(proposal.pending is not None)
+        drafts = proposal.resolve()  # greedy drafts are left on the device: their values now
         for req, e in zip(outcome.requests, outcome.emitted):
-            if proposal.token_ids[req.request_id] and req.sampling_params.greedy:
-                records.append((req.all_token_ids + list(e), proposal.token_ids[req.request_id]))
+            if drafts[req.request_id] and req.sampling_params.greedy:
+                records.append((req.all_token_ids + list(e), list(drafts[req.request_id])))
         return proposal
 
     proposer.propose = spy
@@ -84,6 +86,7 @@ def test_medusa_greedy_identity_and_reference_drafts(tiny_checkpoint, hf_model, 
                 assert got == exp, (context, drafts, ref)
                 compared += 1
     assert compared > 50
+    assert any(left_on_device)  # the all-greedy steps' drafts stayed on the device (`PendingDrafts`)
 
 
 def test_always_wrong_medusa_accepts_nothing(tiny_checkpoint, tmp_path):
