@@ -59,9 +59,31 @@ class MedusaHeads(nn.ModuleList):
                            Linear(hidden_size, vocab_size, bias=False)])
             for _ in range(num_heads)
         )
+        self._stacked: tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor] | None = None
+
+    def stack(self) -> None:
+        """Lay each layer's weights of all heads side by side in one tensor ([heads, ...]; the parameters become views
+        of it, so no memory is added): `forward` then runs every head at once, one batched matmul per layer,
+        instead of ~5 small kernels per head (a batch-1 step's drafting was ~0.5 ms of host launches)."""
+        num_layers = len(self[0]) - 1
+        blocks = [[head[layer] for head in self] for layer in range(num_layers)]
+        weights = [torch.stack([b.linear.weight for b in layer]) for layer in blocks]
+        biases = [torch.stack([b.linear.bias for b in layer]) if layer[0].linear.bias is not None else None
+                  for layer in blocks]
+        lm_head = torch.stack([head[-1].weight for head in self])
+        for layer, w, b in zip(blocks, weights, biases, strict=True):
+            for h, block in enumerate(layer):
+                block.linear.weight.data = w[h]
+                if b is not None:
+                    block.linear.bias.data = b[h]
+        for h, head in enumerate(self):
+            head[-1].weight.data = lm_head[h]
+        self._stacked = (weights, biases, lm_head)
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """[n, H] -> [n, num_heads, vocab] fp32: the first num_heads heads (default: all)."""
+        if self._stacked is not None:
+            return self._forward_stacked(hidden, num_heads or len(self))
         out = []
         for head in list(self)[:num_heads]:
             x = hidden
@@ -69,6 +91,14 @@ class MedusaHeads(nn.ModuleList):
                 x = block(x)
             out.append(F.linear(x, head[-1].weight).float())
         return torch.stack(out, dim=1)
+
+    def _forward_stacked(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        weights, biases, lm_head = self._stacked
+        x = hidden.unsqueeze(0).expand(k, *hidden.shape)  # [k, n, H]: every head reads the same row
+        for w, b in zip(weights, biases, strict=True):  # ResBlock: x + SiLU(x W^T + b)
+            wt = w[:k].transpose(1, 2)
+            x = x + F.silu(torch.bmm(x, wt) if b is None else torch.baddbmm(b[:k, None], x, wt))
+        return torch.bmm(x, lm_head[:k].transpose(1, 2)).transpose(0, 1).float()  # [n, k, V]
 
 
 class MedusaProposer:
@@ -85,6 +115,7 @@ class MedusaProposer:
                 f"got {num_speculative_tokens}"
             )
         self.heads = heads
+        heads.stack()
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len

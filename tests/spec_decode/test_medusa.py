@@ -106,3 +106,21 @@ def test_always_wrong_medusa_accepts_nothing(tiny_checkpoint, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
     assert sum(o.metrics.num_accepted_tokens for o in outs) == 0
+
+
+def test_stacked_heads_compute_what_the_heads_compute_one_by_one(tmp_path):
+    """`MedusaHeads.stack` (one batched matmul per layer, weights as views of one tensor) against the per-head loop,
+    with two ResBlock layers, biases, and fewer heads than it has."""
+    from research_lm.models.base import ModelBuildContext
+    from spec_decode.medusa import load_medusa_heads
+
+    head = write_medusa(tmp_path / "medusa", {k: v.float() for k, v in medusa_tensors(7, num_layers=2).items()})
+    build = ModelBuildContext("cpu", torch.float32, "torch_ref")
+    heads = load_medusa_heads(head, hidden_size=H, vocab_size=V, build=build)
+    hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(0))
+    want = heads(hidden, 3)
+    heads.stack()
+    assert torch.allclose(heads(hidden, 3), want, atol=1e-5) and heads(hidden).shape == (3, 4, V)
+    weights, _, lm_head = heads._stacked  # the parameters are views of the stacked tensors: nothing held twice
+    assert heads[1][-1].weight.data_ptr() == lm_head[1].data_ptr()
+    assert heads[2][1].linear.weight.data_ptr() == weights[1][2].data_ptr()
