@@ -7,7 +7,9 @@ step while this one runs (async scheduling). Tokens the next step needs before t
 (`PLACEHOLDER`s in its input) are copied on the device from the launched step's sampled ids.
 Speculative steps run inside `launch` (drafting needs the emitted tokens), except the drafts themselves: a
 proposer may leave them on the device (`PendingDrafts`), and the next step reads them there, the host
-waiting for their values only to verify them, so drafting overlaps the host's work between the steps.
+waiting for their values only to verify them, so drafting overlaps the host's work between the steps. A
+proposer with `propose_before_verification` may even launch its drafting right behind the verify graph, from the
+graph's argmax on the device; the host then waits for that argmax alone.
 A decode or verify step covered by a CUDA graph replays forward, logits and their argmax in one graph;
 an all-greedy decode batch without penalties, min_tokens or logprobs then takes the graph's argmax as its
 tokens (one replay, one device -> host copy of the ids), and an all-greedy verify step checks its drafts
