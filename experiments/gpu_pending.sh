@@ -28,6 +28,11 @@
 # (drafts left on the device, the rejection kernel): all passed; bench_spec_host_eagle3_b{1,8}[_t1] are its A/Bs.
 # `tau` still compares MLP 2048 with 4096 at equal footing (session 10 trained only a 4096 head: τ 3.36 / 4.13 / 3.61,
 # val acc 0.79 against session 9's 0.77 at 2048; train_reference.sh now trains 4096).
+# Session 12 (H200s) ran `pytest -m gpu tests/spec_decode/test_draft_graphs.py tests/test_cuda_graphs.py
+# tests/engine/test_spec_greedy_identity.py` at f8b0d57 and the draft-graph tests at de67e3e (drafting before
+# verification, the bookkeeping kernel): all passed; `host` at b1/b8 with the "eagle3 verify first" row; and
+# spec_ablation_h200 with --gpus 2. Unchecked on a GPU: `pytest -m gpu tests/spec_decode/test_medusa.py` after the
+# stacked Medusa heads (2f558fe; its spec_ablation cells ran, τ unchanged).
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
