@@ -31,8 +31,8 @@
 # Session 12 (H200s) ran `pytest -m gpu tests/spec_decode/test_draft_graphs.py tests/test_cuda_graphs.py
 # tests/engine/test_spec_greedy_identity.py` at f8b0d57 and the draft-graph tests at de67e3e (drafting before
 # verification, the bookkeeping kernel): all passed; `host` at b1/b8 with the "eagle3 verify first" row; and
-# spec_ablation_h200 with --gpus 2. Unchecked on a GPU: `pytest -m gpu tests/spec_decode/test_medusa.py` after the
-# stacked Medusa heads (2f558fe; its spec_ablation cells ran, τ unchanged).
+# spec_ablation_h200 with --gpus 2. The stacked Medusa heads (2f558fe) have CPU tests only; on the GPU their
+# spec_ablation cells ran with τ unchanged.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
