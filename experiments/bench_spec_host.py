@@ -31,8 +31,7 @@ Same-process A/B rows (eagle3):
   on the device (`research_lm.spec.PendingDrafts`); "eagle3 verify first" never drafts before verification
   (`EagleProposer.propose_before_verification` declines), so the host verifies, then stages the drafting, as
   every step did before the "verified" draft graph;
-- `--temperature` above 0: "eagle3 verify first" as above (the "verified_sample" draft graph drafts behind the
-  rejection sampler otherwise), and "eagle3 torch rejection" runs with `research_lm.ops.FUSED_DEVICE_TYPES` emptied, so
+- `--temperature` above 0: "eagle3 torch rejection" runs with `research_lm.ops.FUSED_DEVICE_TYPES` emptied, so
   the rejection sampler takes its torch path instead of its kernel (spec_decode/rejection_kernel.py). The
   graphs keep the kernels they captured; what else runs eagerly at T = 1 is the plain sampler's race at prompt
   steps, which then takes its torch path too.
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines[f"{args.method} verify first"] = verify_first(build(args, SPECS[args.method]))
     elif args.method == "eagle3":
         engines[torch_rejection] = build(args, SPECS[args.method])
-        engines[f"{args.method} verify first"] = verify_first(build(args, SPECS[args.method]))
     timers = {run: instrument(llm) for run, llm in engines.items()}
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.batch, len(PROMPTS)))]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)

@@ -210,10 +210,9 @@ class ModelRunner:
             if self._pending is not None:
                 self._fill_drafts(scheduled)  # waits for the drafts' copy, queued before this step's forward
             if greedy_ids is not None:
-                greedy_ids = self._drafting_before_verification(outcome, "greedy_ids", greedy_ids)
-            emitted, num_rejected, logprobs = verify_drafts(
-                scheduled, sample_rows, logits, greedy_ids, self.draft_probs, self.vocab_size, self.device,
-                before_sync=lambda ids: self._drafting_before_verification(outcome, "sampled_ids", ids))
+                greedy_ids = self._drafting_before_verification(outcome, greedy_ids)
+            emitted, num_rejected, logprobs = verify_drafts(scheduled, sample_rows, logits, greedy_ids,
+                                                            self.draft_probs, self.vocab_size, self.device)
             output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
                                   logprobs=logprobs, num_draft_tokens=[len(s.spec_token_ids) for s in scheduled])
             output.verify_ms = (time.perf_counter() - t0) * 1e3
@@ -231,21 +230,20 @@ class ModelRunner:
         self.draft_probs.update(proposal.probs)
         return PendingStep(sched, output=output)
 
-    def _drafting_before_verification(self, outcome: StepOutcome, field: str, ids: torch.Tensor) -> torch.Tensor:
-        """Offer the proposer the verify's token ids on the device (`field` of the outcome: "greedy_ids", the graph's
-        argmax, or "sampled_ids", the rejection sampler's output) to draft behind them (`propose_before_verification`).
-        Where it does, the ids on the host, their copy queued before the drafting: the host waits for them alone
-        while the drafter runs. Else the ids on the device, as they came."""
+    def _drafting_before_verification(self, outcome: StepOutcome, greedy_ids: torch.Tensor) -> torch.Tensor:
+        """Where the proposer launches its drafting behind the verify forward (`propose_before_verification`),
+        the verify's argmax [num_sample_rows] on the host, its copy queued before the drafting: the host waits for
+        it alone while the drafter runs. Else the argmax on the device, as it came."""
         early = getattr(self.proposer, "propose_before_verification", None)
-        if early is None or ids.numel() > self.buffers.max_num_tokens:  # more ids than tokens: some had fewer drafts
-            return ids
-        host, copied = self._host_ids.start_copy(ids.view(-1))
-        setattr(outcome, field, ids)
+        if early is None:
+            return greedy_ids
+        host, copied = self._host_ids.start_copy(greedy_ids)
+        outcome.greedy_ids = greedy_ids
         if not early(outcome):
-            return ids
+            return greedy_ids
         if copied is not None:
             copied.synchronize()
-        return host.view(ids.shape)
+        return host
 
     def resolve_drafts(self) -> None:
         """Wait for the last proposal's drafts and put their values in its token lists (the step output's

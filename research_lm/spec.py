@@ -33,11 +33,8 @@ class StepOutcome:
     # The step's batch: block tables (shared with a drafter's own KV), seq lens, slots.
     common: CommonAttentionMetadata
     attn_metadata: dict[str, Any]  # backend name -> metadata, as the target's layers saw it
-    # What `propose_before_verification` may draft from, on the device (the acceptance computed there): the
-    # target's argmax per row [num_tokens] when a graph computed it, or the rejection sampler's output
-    # [num_reqs, k + 1] (-1 past each request's emitted tokens).
-    greedy_ids: torch.Tensor | None = None
-    sampled_ids: torch.Tensor | None = None
+    greedy_ids: torch.Tensor | None = None  # [num_tokens] the target's argmax per row, on the device, when a
+    # graph computed it: what `propose_before_verification` drafts from (its acceptance computed on the device)
 
 
 @dataclass

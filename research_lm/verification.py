@@ -9,8 +9,6 @@ each token, as plain sampling returns them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from research_lm.outputs import ScheduledRequest
@@ -27,13 +25,9 @@ def verify_drafts(
     draft_probs: dict[str, torch.Tensor],  # request id -> [k, vocab] q of its drafts; verified ones are popped
     vocab_size: int,
     device: torch.device,
-    before_sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[list[int]], list[int], list[list[dict[int, Logprob]]] | None]:
     """Per scheduled request: the tokens it emits, how many drafts it rejected, and (where some request
-    asks for logprobs) the emitted tokens' logprobs.
-
-    before_sync: given the rejection sampler's output [requests, k_max + 1] on the device (-1 past each request's
-    tokens), returns the tensor to read it from (the runner drafts behind it, then hands back its landed host copy)."""
+    asks for logprobs) the emitted tokens' logprobs."""
     rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
     batch = SamplingBatch.build(rows, vocab_size, device)
     reqs = sorted({i for i, _ in sample_rows})
@@ -56,8 +50,7 @@ def verify_drafts(
             torch.tensor([scheduled[i].request.sampling_params.greedy for i in reqs]),
             [scheduled[i].request.seed for i in reqs],
             [scheduled[i].request.num_output_tokens for i in reqs],
-        )
-        tokens = (before_sync(tokens) if before_sync is not None else tokens).tolist()
+        ).tolist()
         for i, row in zip(reqs, tokens, strict=True):
             emitted[i] = [t for t in row if t != -1]
     num_rejected = [len(s.spec_token_ids) + 1 - len(e) if e else 0 for s, e in zip(scheduled, emitted)]

@@ -46,10 +46,7 @@ a prologue inside the graph takes the verify forward's argmax g and input x (cop
 accepts while x[j + 1] == g[j] (n_acc), and enters the tokens the request emits, g[0 .. n_acc], at positions
 c .. c + n_acc: rows past n_acc write no KV and feed nothing. Draft 1 is picked at row r*q + n_acc, and the
 budget min(k, room - n_acc - 2) (`spec_decode.heads.draft_budget`) comes from each request's room, staged
-in place of the budget. The host waits for the verify's ids alone while this graph runs. "verified_sample" is
-the same entry and chain after a rejection-sampled verify (its emitted tokens in the same g / x form:
-`spec_decode.eagle.verified_from_sampled`), picking by the "sample" rule with draft 1's output position
-staged before the step's tokens and n_acc + 1 added in the graph.
+in place of the budget. The host waits for the verify's ids alone while this graph runs.
 
 Before the forwards, a replay computes the entry's and the chain's records (and, "verified", the acceptance):
 on CUDA in one Triton kernel (spec_decode/draft_bookkeeping.py: ~40 small kernels fewer per replay), elsewhere
@@ -170,7 +167,6 @@ class DraftGraphs:
         self.chain_steps = torch.arange(steps, **i64)[:, None]  # [k-1, 1]: 0 .. k-2
         self.entry_offsets = torch.arange(q, **i64)  # row j of each request's q entry rows ("verified")
         self.last_rows = torch.zeros(a, **i64)  # each request's last entry row (the bookkeeping kernel's output)
-        self._keep: list[torch.Tensor] = []  # tensors made in `_draft_fn` that its graph reads
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
         self.temperature_host = torch.ones(a, dtype=torch.float32, pin_memory=pin)
         self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
@@ -183,7 +179,7 @@ class DraftGraphs:
         self._backends = {layer.backend.name: layer.backend for layer in layers}
         self._max_seq_len = max_seq_len
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        rules = ("argmax", "sample") + (("verified", "verified_sample") if self.drafts_verified else ())
+        rules = ("argmax", "sample", "verified") if self.drafts_verified else ("argmax", "sample")
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             for rule in rules:
                 self._fill_for_capture(_Layout(size, q))
@@ -222,7 +218,7 @@ class DraftGraphs:
         ids_in, pos_in, req_in = st[lay.token(0)], st[lay.token(1)], st[lay.token(2)]
         qsl_in, seq_lens_in, last, budget = (st[lay.request(i)] for i in range(4))
         seeds, out_pos, greedy_in = (st[lay.request(i)] for i in (5, 6, 7))
-        sampled, after_verify = rule in ("sample", "verified_sample"), rule.startswith("verified")
+        sampled = rule == "sample"
         offset = self.entry_offsets
         verified = self.verified[:, :t].view(2, b, lay.q)  # "verified": argmax g and input x per request row
         temperature, probs = self.temperature[:b], self.probs[:b]
@@ -241,7 +237,7 @@ class DraftGraphs:
             block = block_table[rows, (pos // bs).clamp(max=last_block)]
             return torch.where(writes, block.long() * bs + pos % bs, -1)
 
-        def pick(out: torch.Tensor, j: int, first_pos: torch.Tensor) -> None:  # out [b, H] -> drafts[j] (probs[:, j])
+        def pick(out: torch.Tensor, j: int) -> None:  # out [b, H] -> drafts[j] (and probs[:, j])
             if not sampled:
                 if self._argmax is not None:
                     self._argmax(out, out=drafts[j])
@@ -252,11 +248,11 @@ class DraftGraphs:
             one_hot = torch.zeros_like(x).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
             q = torch.where((greedy_in != 0)[:, None], one_hot, x.softmax(dim=-1))
             probs[:, j].copy_(q)
-            drafts[j].copy_(random_sample(q, seeds, first_pos + j, rng.DRAFT))  # one-hot rows race to their argmax
+            drafts[j].copy_(random_sample(q, seeds, out_pos + j, rng.DRAFT))  # one-hot rows race to their argmax
 
         def bookkeeping() -> torch.Tensor:  # [b] each request's last entry row
             """The entry's and the chain's records (spec_decode/draft_bookkeeping.py has the rule, and the kernel)."""
-            if after_verify:  # accept while x[j + 1] == g[j]; the room is staged in the budgets' place
+            if rule == "verified":  # accept while x[j + 1] == g[j]; the room is staged in the budgets' place
                 g, x = verified
                 n_acc = (x[:, 1:] == g[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [b] drafts accepted
                 writes = (req_in >= 0) & (offset <= n_acc[:, None]).view(t)
@@ -282,7 +278,7 @@ class DraftGraphs:
             from spec_decode.draft_bookkeeping import draft_bookkeeping  # Triton, imported when a kernel runs
 
             draft_bookkeeping(
-                st[: lay.size], offsets, verified.view(2, t) if after_verify else None, block_table, entry_qsl,
+                st[: lay.size], offsets, verified.view(2, t) if rule == "verified" else None, block_table, entry_qsl,
                 entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots, b=b, q=lay.q, k=self.k,
                 block_size=bs)
             return last_rows
@@ -291,22 +287,18 @@ class DraftGraphs:
                    "seq": lay.request(1).start, "last": lay.request(2).start, "budget": lay.request(3).start}
         last_rows = self.last_rows[:b]
         records = fused_bookkeeping if st.device.type in research_lm.ops.FUSED_DEVICE_TYPES else bookkeeping
-        entry_ids = verified[0].reshape(t) if after_verify else ids_in  # "verified": the emitted tokens
-        row_base = lay.q * torch.arange(b, device=st.device) - 1  # "verified_sample": last row - this = n_acc + 1
-        self._keep.append(row_base)
+        entry_ids = verified[0].reshape(t) if rule == "verified" else ids_in  # "verified": the emitted tokens
 
         @torch.inference_mode()
         def draft() -> None:
             last_row = records()
-            # Output position of draft 1: staged, or ("verified_sample") staged before the step's emitted tokens.
-            first_pos = out_pos + (last_row - row_base) if rule == "verified_sample" else out_pos
             out, carry = self._entry(entry_ids, pos_in, entry_md, features)
-            pick(out[last_row], 0, first_pos)
+            pick(out[last_row], 0)
             if carry is not None and self.k > 1:
                 carry = carry[last_row]
             for j in range(1, self.k):
                 out, carry = self._step(drafts[j - 1], positions[j - 1], chain_md[j - 1], carry)
-                pick(out, j, first_pos)
+                pick(out, j)
 
         return draft
 
@@ -389,10 +381,10 @@ class DraftGraphs:
             self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
         rule = "sample" if sampling is not None else "argmax"
         if verified is not None:
-            assert self.drafts_verified and num_tokens == n * self.query_len
+            assert self.drafts_verified and sampling is None and num_tokens == n * self.query_len
             for dst, src in zip(self.verified, verified, strict=True):
                 dst[:num_tokens].copy_(src)
-            rule = "verified_sample" if sampling is not None else "verified"
+            rule = "verified"
         self._replay[size, rule]()
         self.drafts_host.copy_(self.drafts, non_blocking=True)  # all of it: one contiguous copy
         if self.drafts_copied is not None:

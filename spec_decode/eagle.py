@@ -55,7 +55,7 @@ from research_lm.models.layers import (
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
 from research_lm.request import Request
 from research_lm.spec import Proposal, StepOutcome
-from spec_decode.draft_graphs import DraftGraphs, DraftSampling
+from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
@@ -240,8 +240,7 @@ class EagleProposer:
         self.max_model_len = max_model_len
         self.cache_layers = cache_layers_of(head)
         self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
-        # The step whose drafts are under way, and their q when sampled.
-        self._drafted_before_verification: tuple[StepOutcome, torch.Tensor | None] | None = None
+        self._drafted_before_verification: StepOutcome | None = None  # the step whose drafts are under way
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         embed = self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
@@ -281,52 +280,35 @@ class EagleProposer:
         return self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
 
     def propose_before_verification(self, outcome: StepOutcome) -> bool:
-        """Draft this step from a "verified" graph (spec_decode/draft_graphs.py), right behind verification and
-        before the host knows what the target emitted: where every request is a decode that verifies k drafts
-        (q = k + 1 rows each), a graph fits the batch, and either every request is plain-greedy (from the verify
-        graph's argmax: `outcome.greedy_ids`) or every request's drafts can be sampled by the "sample" rule (from
-        the rejection sampler's output: `outcome.sampled_ids`). For request r the entry is then its emitted tokens
-        at positions c .. c + n_acc, exactly the rows `propose` would enter, and its drafts (and q) are the same.
-        True when launched."""
+        """Draft this step from the "verified" graph (spec_decode/draft_graphs.py), right behind the verify forward
+        and before the host knows what the target emitted: where every request is a plain-greedy decode that
+        verifies k drafts (q = k + 1 rows each) and a graph fits the batch. For request r the entry is then its
+        emitted tokens (the verify's argmax at rows 0 .. n_acc) at positions c .. c + n_acc, exactly the rows
+        `propose` would enter, and its drafts are the same. True when launched."""
         graphs, reqs, common = self.graphs, outcome.requests, outcome.common
         q = self.num_speculative_tokens + 1
-        if (graphs is None or not graphs.drafts_verified or not graphs.serves(len(reqs))
+        if (graphs is None or not graphs.drafts_verified or outcome.greedy_ids is None or not graphs.serves(len(reqs))
                 or common.max_query_len != q or common.num_tokens != q * len(reqs)):
             return False
         computed = common.num_computed_tokens_cpu.tolist()
-        if not all(c + 1 == r.num_tokens for c, r in zip(computed, reqs, strict=True)):
-            return False
-        t, sampling = common.num_tokens, None
-        if outcome.sampled_ids is not None:  # emitted tokens, -1 past them: accepted where the next one exists
-            if not all(_sampled_plainly(r, self.vocab_size) for r in reqs):
-                return False
-            verified = verified_from_sampled(outcome.sampled_ids)
-            # Draft 1's output position is staged before the step's tokens; the graph adds the n_acc + 1 emitted.
-            sampling = DraftSampling(
-                temperature=[1.0 if r.sampling_params.greedy else r.sampling_params.temperature for r in reqs],
-                greedy=[r.sampling_params.greedy for r in reqs], seeds=[r.seed for r in reqs],
-                positions=[r.num_output_tokens for r in reqs])
-        elif outcome.greedy_ids is not None and all(_plain_greedy(r) for r in reqs):
-            verified = (outcome.greedy_ids[:t], outcome.input_ids[:t])
-        else:
+        if not all(c + 1 == r.num_tokens and _plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
             return False
         # Each request's room before this step's tokens; the graph subtracts what it emits (`draft_budget`).
         rooms = [min(self.max_model_len - r.num_tokens, self.max_model_len if r.sampling_params.max_tokens is None
                      else r.sampling_params.max_tokens - r.num_output_tokens) for r in reqs]
-        probs = graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
-                           features=lambda _: self._target_features(outcome, slice(0, t)), verified=verified,
-                           sampling=sampling)
-        self._drafted_before_verification = (outcome, probs)
+        t = common.num_tokens
+        graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
+                   features=lambda _: self._target_features(outcome, slice(0, t)),
+                   verified=(outcome.greedy_ids[:t], outcome.input_ids[:t]))
+        self._drafted_before_verification = outcome
         return True
 
     def propose(self, outcome: StepOutcome) -> Proposal:
         reqs, emitted = outcome.requests, outcome.emitted
         drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
-        early, self._drafted_before_verification = self._drafted_before_verification, None
-        if early is not None and early[0] is outcome:  # the graph drafted what this step emitted
+        if self._drafted_before_verification is outcome:  # the graph drafted what this step emitted
+            self._drafted_before_verification = None
             drafting.left_on_device(self.graphs, {i: i for i in drafting.index})
-            if early[1] is not None:  # q [n, k, V] of the sampled drafts, graph row = step row
-                drafting.probs = [early[1][i, :b] for i, b in zip(drafting.index, drafting.budget, strict=True)]
             return drafting.proposal(reqs)
         qsl = outcome.query_start_loc_cpu.tolist()
         computed = outcome.common.num_computed_tokens_cpu.tolist()
@@ -383,24 +365,6 @@ class EagleProposer:
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         pass  # no per-request state: each step recomputes from the target's computed tokens
-
-
-def verified_from_sampled(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, q] -> ([n*q], [n*q])
-    """The rejection sampler's output (each request's emitted tokens, then -1) as the "verified" rule's inputs: g
-    the emitted tokens (0 past them) and x with x[j + 1] == g[j] exactly where token j + 1 was emitted, i.e. where
-    draft j + 1 was accepted."""
-    g = out.clamp(min=0)
-    x = torch.cat([g[:, :1], torch.where(out[:, 1:] >= 0, g[:, :-1], -1)], dim=1)
-    return g.view(-1), x.view(-1)
-
-
-def _sampled_plainly(req: Request, vocab_size: int) -> bool:
-    """Its drafts' pick rule is one a "sample" draft graph replays: greedy, or a temperature and nothing else (no
-    top-k, top-p or min-p), and no penalty, logit_bias, allowed_token_ids or min_tokens ban."""
-    sp = req.sampling_params
-    truncated = 0 < sp.top_k < vocab_size or sp.top_p < 1.0 or sp.min_p > 0.0
-    return (sp.greedy or not truncated) and not sp.penalized and sp.logit_bias is None \
-        and sp.allowed_token_ids is None and req.num_output_tokens >= sp.min_tokens
 
 
 def _plain_greedy(req: Request) -> bool:

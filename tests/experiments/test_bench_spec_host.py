@@ -28,6 +28,6 @@ def test_bench_spec_host_at_temperature_1_ab_tests_the_rejection_kernel(tmp_path
     payload = bench_spec_host.main(["--device", "cpu", "--tokens", "6", "--repeats", "1", "--temperature", "1.0",
                                     "--out", str(tmp_path)])
     rows = {r["run"]: r for r in payload["rows"]}
-    assert set(rows) == {"plain", "eagle3", "eagle3 torch rejection", "eagle3 verify first"}
+    assert set(rows) == {"plain", "eagle3", "eagle3 torch rejection"}
     assert rows["eagle3"]["tau"] == rows["eagle3 torch rejection"]["tau"]  # CPU: the torch path both times
     assert "temperature 1" in (tmp_path / "bench_spec_host.md").read_text()

@@ -19,7 +19,6 @@ import research_lm.ops
 from research_lm import LLM, SamplingParams
 from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
-from spec_decode.eagle import verified_from_sampled
 from tests.spec_decode.test_draft_model import _variant
 from tests.spec_decode.test_spec_formats import V, eagle1_tensors, eagle3_tensors, write_eagle1, write_eagle3
 
@@ -249,35 +248,10 @@ def test_greedy_verify_steps_draft_before_the_host_sees_their_tokens(kind, tiny_
     assert any(0 < len(d) < K for p, _ in proposals for d in p.values())  # budgets below k were cut
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
-def test_sampled_verify_steps_draft_before_the_host_sees_their_tokens(tiny_checkpoint, tmp_path):
-    """Requests sampling with a temperature (beside a greedy one) draft from the "verified_sample" graph right behind
-    the rejection sampler: the entry from its output on the device, draft 1's output position past the emitted
-    tokens. Drafts, q and outputs equal the eager chain's (seeded noise at each output position)."""
-    checkpoint = tiny_checkpoint("llama")
-    eager, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), "cpu", eager_capture, max_model_len=32)
-    _with_verify_graphs(llm)
-    proposer, sampled = llm.engine.runner.proposer, []
-    launch = proposer.propose_before_verification
-    proposer.propose_before_verification = lambda o: launch(o) and not sampled.append(o.sampled_ids is not None)
-    rng = random.Random(7)
-    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 22)]
-    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3),
-              SamplingParams(temperature=1.0, ignore_eos=True, seed=2**64 - 5)]
-    want, want_proposals, _ = _run(eager, prompts, params)
-    got, proposals, _ = _run(llm, prompts, params)
-    assert got == want and _same_proposals(proposals, want_proposals)
-    assert True in sampled  # some steps drafted from the rejection sampler's output
-    assert any(q for _, q in proposals)  # q was kept and compared
-
-
-def _verified_against_entry(proposer, device: str, sampled: bool = False) -> None:
+def _verified_against_entry(proposer, device: str) -> None:
     """The "verified" rule over a verify step's argmax g and input x (request i accepting 0, 1 and k drafts, rooms
     cutting budgets) drafts and writes the drafter's KV exactly as the "argmax" rule over the rows the host would
-    enter: the emitted tokens g[i, :n_acc + 1] at positions c .. c + n_acc, budgets min(k, room - n_acc - 2).
-    sampled: "verified_sample" from the rejection sampler's output form against the "sample" rule, draft 1's output
-    position staged past the emitted tokens for the latter; q too."""
+    enter: the emitted tokens g[i, :n_acc + 1] at positions c .. c + n_acc, budgets min(k, room - n_acc - 2)."""
     graphs, gen = proposer.graphs, torch.Generator().manual_seed(3)
     q, n_acc, starts, rooms = K + 1, [0, 1, K], [3, 7, 0], [20, 4, 20]
     n, t = len(n_acc), len(n_acc) * q
@@ -292,41 +266,30 @@ def _verified_against_entry(proposer, device: str, sampled: bool = False) -> Non
     budgets = [max(0, min(K, r - a - 2)) for r, a in zip(rooms, n_acc)]
     assert budgets == [K, 1, K]  # the second cut by its room
 
-    def drafted(**run) -> tuple[list[list[int]], list[torch.Tensor], torch.Tensor | None]:
+    def drafted(**run) -> tuple[list[list[int]], list[torch.Tensor]]:
         for layer in proposer.cache_layers:
             layer.kv_cache.zero_()
-        probs = graphs.run(block_table, range(n), starts=starts, **run)
+        graphs.run(block_table, range(n), starts=starts, **run)
         drafts = graphs.drafts[:, :n].cpu()
         kv = [layer.kv_cache.clone() for layer in proposer.cache_layers]
-        return [drafts[:b, i].tolist() for i, b in enumerate(budgets)], kv, probs
+        return [drafts[:b, i].tolist() for i, b in enumerate(budgets)], kv
 
-    def sampling(positions: list[int]) -> DraftSampling | None:
-        return DraftSampling([1.0, 0.7, 1.0], [True, False, False], [5, 6, 2**64 - 3], positions) if sampled else None
-
-    base = [4, 9, 2]  # output tokens before the step
-    want_drafts, want_kv, want_q = drafted(
+    want_drafts, want_kv = drafted(
         tokens=[tok for i, a in enumerate(n_acc) for tok in g[i, : a + 1].tolist()], lens=[a + 1 for a in n_acc],
         budgets=budgets, features=lambda rows: features[rows],
-        feature_rows=[i * q + j for i, a in enumerate(n_acc) for j in range(a + 1)],
-        sampling=sampling([b + a + 1 for b, a in zip(base, n_acc, strict=True)]))
-    verified = (g.view(-1).to(device), x.view(-1).to(device))
-    if sampled:  # the rejection sampler's form: the emitted tokens, then -1
-        out = torch.where(torch.arange(q) <= torch.tensor(n_acc)[:, None], g, -1)
-        verified = verified_from_sampled(out.to(device))
-    got_drafts, got_kv, got_q = drafted(tokens=(), lens=[q] * n, budgets=rooms, features=lambda _: features,
-                                        verified=verified, sampling=sampling(base))
+        feature_rows=[i * q + j for i, a in enumerate(n_acc) for j in range(a + 1)])
+    got_drafts, got_kv = drafted(tokens=(), lens=[q] * n, budgets=rooms, features=lambda _: features,
+                                 verified=(g.view(-1).to(device), x.view(-1).to(device)))
     assert got_drafts == want_drafts and all(len(d) for d in got_drafts)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_kv, want_kv, strict=True))
-    if sampled:
-        assert all(torch.allclose(got_q[i, :b], want_q[i, :b], atol=1e-6) for i, b in enumerate(budgets))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
-@pytest.mark.parametrize("kind,sampled", [("eagle3", False), ("eagle", False), ("eagle3", True)])
-def test_the_verified_rule_enters_the_accepted_tokens(kind, sampled, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_the_verified_rule_enters_the_accepted_tokens(kind, tiny_checkpoint, tmp_path):
     checkpoint = tiny_checkpoint("llama")
     _, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
-    _verified_against_entry(llm.engine.runner.proposer, "cpu", sampled)
+    _verified_against_entry(llm.engine.runner.proposer, "cpu")
 
 
 def _bookkeeping_cases(device: str, width: int) -> list[dict]:
@@ -477,7 +440,6 @@ def test_drafting_before_verification_on_cuda(kind, tiny_checkpoint, tmp_path):
     spec = {**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}
     eager, graphed = _pair(str(checkpoint), spec, "cuda", cuda_graph_capture)
     _verified_against_entry(graphed.engine.runner.proposer, "cuda")
-    _verified_against_entry(graphed.engine.runner.proposer, "cuda", sampled=True)
     llm = LLM(str(checkpoint), device="cuda", speculative_config=spec, **KNOBS)  # graphs on: verify and draft
     launch, early = llm.engine.runner.proposer.propose_before_verification, []
     llm.engine.runner.proposer.propose_before_verification = lambda o: launch(o) and not early.append(len(o.requests))
