@@ -68,6 +68,7 @@ from spec_decode.heads import (
     read_json_config,
     start_drafting,
     token_span,
+    tokens_left,
 )
 
 
@@ -294,8 +295,7 @@ class EagleProposer:
         if not all(c + 1 == r.num_tokens and _plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
             return False
         # Each request's room before this step's tokens; the graph subtracts what it emits (`draft_budget`).
-        rooms = [min(self.max_model_len - r.num_tokens, self.max_model_len if r.sampling_params.max_tokens is None
-                     else r.sampling_params.max_tokens - r.num_output_tokens) for r in reqs]
+        rooms = [tokens_left(r, self.max_model_len) for r in reqs]
         t = common.num_tokens
         graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
                    features=lambda _: self._target_features(outcome, slice(0, t)),

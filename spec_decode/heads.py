@@ -149,15 +149,20 @@ def token_span(req: Request, emitted: Sequence[int], start: int, end: int) -> li
     return out
 
 
+def tokens_left(req: Request, max_model_len: int, num_emitted: int = 0) -> int:
+    """Tokens the request may still produce after `num_emitted` more: max_model_len and max_tokens both bound it."""
+    room = max_model_len - (req.num_tokens + num_emitted)
+    max_tokens = req.sampling_params.max_tokens
+    if max_tokens is not None:
+        room = min(room, max_tokens - (req.num_output_tokens + num_emitted))
+    return room
+
+
 def draft_budget(req: Request, emitted: Sequence[int], k: int, max_model_len: int) -> int:
     """Drafts worth proposing: the scheduler keeps at most room - 1 (k drafts emit up to k + 1 tokens)."""
     if not emitted:
         return 0
-    room = max_model_len - (req.num_tokens + len(emitted))
-    max_tokens = req.sampling_params.max_tokens
-    if max_tokens is not None:
-        room = min(room, max_tokens - (req.num_output_tokens + len(emitted)))
-    return max(0, min(k, room - 1))
+    return max(0, min(k, tokens_left(req, max_model_len, len(emitted)) - 1))
 
 
 @dataclass
