@@ -109,7 +109,7 @@ def sync_drafts(llm: LLM) -> LLM:
 
 def verify_first(llm: LLM) -> LLM:
     """The A/B switch: the proposer never drafts before the host has verified the step."""
-    llm.engine.runner.proposer.propose_before_verification = lambda outcome: False
+    llm.engine.runner.proposer.propose_before_verification = lambda outcome: None
     return llm
 
 

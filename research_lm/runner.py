@@ -195,22 +195,21 @@ class ModelRunner:
             logits = graph.logits[logits_indices]
         else:  # [num_sample_rows, vocab]
             logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
+        if self.proposer is None:  # plain decoding: no drafts to verify, none to propose
+            return self._launch_sampling(sched, sample_rows, logits, greedy_ids)
         scheduled = sched.scheduled
         outcome = StepOutcome(
             requests=[s.request for s in scheduled], emitted=[], input_ids=input_ids, positions=positions,
             query_start_loc_cpu=common.query_start_loc_cpu, hidden_states=hidden, aux_hidden_states=aux,
-            num_rejected=[], common=common, attn_metadata=attn_metadata,
+            num_rejected=[], common=common, attn_metadata=attn_metadata, greedy_ids=greedy_ids,
         )
         if not any(s.spec_token_ids for s in scheduled):
-            pending = self._launch_sampling(sched, sample_rows, logits, greedy_ids)
-            if self.proposer is None:
-                return pending
-            output, num_rejected = self.collect(pending), [0] * len(scheduled)
+            output = self.collect(self._launch_sampling(sched, sample_rows, logits, greedy_ids))
+            num_rejected = [0] * len(scheduled)
         else:
             if self._pending is not None:
                 self._fill_drafts(scheduled)  # waits for the drafts' copy, queued before this step's forward
-            if greedy_ids is not None:
-                greedy_ids = self._drafting_before_verification(outcome, greedy_ids)
+            greedy_ids = self._drafting_before_verification(outcome)
             emitted, num_rejected, logprobs = verify_drafts(scheduled, sample_rows, logits, greedy_ids,
                                                             self.draft_probs, self.vocab_size, self.device)
             output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
@@ -230,17 +229,16 @@ class ModelRunner:
         self.draft_probs.update(proposal.probs)
         return PendingStep(sched, output=output)
 
-    def _drafting_before_verification(self, outcome: StepOutcome, greedy_ids: torch.Tensor) -> torch.Tensor:
-        """Where the proposer launches its drafting behind the verify forward (`propose_before_verification`),
-        the verify's argmax [num_sample_rows] on the host, its copy queued before the drafting: the host waits for
-        it alone while the drafter runs. Else the argmax on the device, as it came."""
-        early = getattr(self.proposer, "propose_before_verification", None)
-        if early is None:
+    def _drafting_before_verification(self, outcome: StepOutcome) -> torch.Tensor | None:
+        """Where the proposer can draft behind the verify forward (`propose_before_verification`), the verify's
+        argmax [num_sample_rows] on the host, its copy queued before the drafting: the host waits for it alone
+        while the drafter runs. Else the argmax as it came (on the device, or None)."""
+        greedy_ids, early = outcome.greedy_ids, getattr(self.proposer, "propose_before_verification", None)
+        launch = early(outcome) if early is not None and greedy_ids is not None else None
+        if not launch:
             return greedy_ids
         host, copied = self._host_ids.start_copy(greedy_ids)
-        outcome.greedy_ids = greedy_ids
-        if not early(outcome):
-            return greedy_ids
+        launch()
         if copied is not None:
             copied.synchronize()
         return host

@@ -92,10 +92,10 @@ class Proposer(Protocol):
     `CacheLayer`s, allocated with the target's and sharing its block tables) and
     `num_lookahead_tokens` (KV slots the drafter writes past the verified tokens) and
     `needs_last_hit_block_recomputed` (its cached rows depend on the token after them: EAGLE) and
-    `propose_before_verification(outcome) -> bool`: the runner calls it on a verify step right after the target's
-    forward, before the host knows the emitted tokens (`outcome.emitted` still empty); a proposer that launches
-    its drafting there (on the device, from `outcome.greedy_ids`) returns True, and `propose` then only hands
-    out the drafts."""
+    `propose_before_verification(outcome) -> launch or None`: the runner calls it on a verify step right after the
+    target's forward, before the host knows the emitted tokens (`outcome.emitted` still empty); a proposer that can
+    draft there (on the device, from `outcome.greedy_ids`) returns the launch of that drafting, which the runner
+    calls once the argmax's copy to the host is queued, and `propose` then only hands out the drafts."""
 
     num_speculative_tokens: int
     # Target layers whose input residual streams the proposer consumes (EAGLE-3); () for none.

@@ -280,28 +280,31 @@ class EagleProposer:
         rows = torch.tensor(feature_rows, dtype=torch.int64, device=device)
         return self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
 
-    def propose_before_verification(self, outcome: StepOutcome) -> bool:
+    def propose_before_verification(self, outcome: StepOutcome) -> Callable[[], None] | None:
         """Draft this step from the "verified" graph (spec_decode/draft_graphs.py), right behind the verify forward
         and before the host knows what the target emitted: where every request is a plain-greedy decode that
         verifies k drafts (q = k + 1 rows each) and a graph fits the batch. For request r the entry is then its
         emitted tokens (the verify's argmax at rows 0 .. n_acc) at positions c .. c + n_acc, exactly the rows
-        `propose` would enter, and its drafts are the same. True when launched."""
+        `propose` would enter, and its drafts are the same. The launch of that drafting, or None."""
         graphs, reqs, common = self.graphs, outcome.requests, outcome.common
         q = self.num_speculative_tokens + 1
         if (graphs is None or not graphs.drafts_verified or outcome.greedy_ids is None or not graphs.serves(len(reqs))
                 or common.max_query_len != q or common.num_tokens != q * len(reqs)):
-            return False
+            return None
         computed = common.num_computed_tokens_cpu.tolist()
         if not all(c + 1 == r.num_tokens and _plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
-            return False
+            return None
         # Each request's room before this step's tokens; the graph subtracts what it emits (`draft_budget`).
         rooms = [tokens_left(r, self.max_model_len) for r in reqs]
         t = common.num_tokens
-        graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
-                   features=lambda _: self._target_features(outcome, slice(0, t)),
-                   verified=(outcome.greedy_ids[:t], outcome.input_ids[:t]))
-        self._drafted_before_verification = outcome
-        return True
+
+        def launch() -> None:
+            graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
+                       features=lambda _: self._target_features(outcome, slice(0, t)),
+                       verified=(outcome.greedy_ids[:t], outcome.input_ids[:t]))
+            self._drafted_before_verification = outcome
+
+        return launch
 
     def propose(self, outcome: StepOutcome) -> Proposal:
         reqs, emitted = outcome.requests, outcome.emitted

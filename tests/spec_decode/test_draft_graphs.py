@@ -218,10 +218,18 @@ def _with_verify_graphs(llm: LLM) -> list[int]:
         runner.forward, runner.buffers, runner.backends, sizes=[1, 2, 4], query_lens=[1, K + 1],
         block_size=runner.block_size, max_seq_len=runner.max_model_len, compute_logits=runner.model.compute_logits,
         vocab_size=runner.vocab_size, capture=eager_capture)
-    proposer = runner.proposer
-    launch = proposer.propose_before_verification
-    proposer.propose_before_verification = lambda outcome: launch(outcome) and not early.append(len(outcome.requests))
+    runner.proposer.propose_before_verification = _counting(runner.proposer.propose_before_verification, early)
     return early
+
+
+def _counting(propose_before_verification, early: list[int]):
+    """`propose_before_verification`, noting the batch size of every step it drafts early."""
+    def spy(outcome):
+        launch = propose_before_verification(outcome)
+        if launch:
+            early.append(len(outcome.requests))
+        return launch
+    return spy
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
@@ -441,8 +449,8 @@ def test_drafting_before_verification_on_cuda(kind, tiny_checkpoint, tmp_path):
     eager, graphed = _pair(str(checkpoint), spec, "cuda", cuda_graph_capture)
     _verified_against_entry(graphed.engine.runner.proposer, "cuda")
     llm = LLM(str(checkpoint), device="cuda", speculative_config=spec, **KNOBS)  # graphs on: verify and draft
-    launch, early = llm.engine.runner.proposer.propose_before_verification, []
-    llm.engine.runner.proposer.propose_before_verification = lambda o: launch(o) and not early.append(len(o.requests))
+    proposer, early = llm.engine.runner.proposer, []
+    proposer.propose_before_verification = _counting(proposer.propose_before_verification, early)
     prompts, params = _prompts(), [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (16, 12, 9)]
     want, want_proposals, _ = _run(eager, prompts, params)
     got, proposals, _ = _run(llm, prompts, params)
