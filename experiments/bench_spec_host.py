@@ -26,7 +26,9 @@ eagle3 step took ~1.4 ms for ~0.65 ms of GPU work (PERFORMANCE.md, eighth pass).
 To A/B a change, give it a runtime switch and alternate the switch inside one process. Two processes running
 the same code differed by up to 1.4x in ms/token on that machine, while their phase times agreed within ~10 %.
 
-Same-process A/B rows (eagle3):
+Same-process A/B rows: "plain general inputs" and "<method> general inputs" prepare graph steps' inputs on the
+general path (`ModelRunner.uniform_inputs` off: numpy over the batch, a copy per buffer, a device gather of the
+tokens still there) instead of one staged copy and one kernel (research_lm/ops/graph_step_inputs.py). And for eagle3:
 - greedy: "eagle3 synced" waits for each step's drafts inside `propose`, as every step did before drafts stayed
   on the device (`research_lm.spec.PendingDrafts`); "eagle3 verify first" never drafts before verification
   (`EagleProposer.propose_before_verification` declines), so the host verifies, then stages the drafting, as
@@ -113,6 +115,13 @@ def verify_first(llm: LLM) -> LLM:
     return llm
 
 
+def general_inputs(llm: LLM) -> LLM:
+    """The A/B switch: graph steps prepare their inputs on the general path (numpy over the batch, a copy per
+    buffer, a device gather of the tokens still there), not in one staged copy (`ModelRunner._prepare_uniform`)."""
+    llm.engine.runner.uniform_inputs = False
+    return llm
+
+
 def build(args: argparse.Namespace, spec: dict[str, Any] | None) -> LLM:
     device = torch.device(args.device)
     return LLM("tiny-llama", device=args.device, cuda_graphs=device.type == "cuda", max_num_seqs=args.batch,
@@ -132,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     name = args.name or NAME
     engines = {"plain": build(args, None), args.method: build(args, SPECS[args.method])}
+    engines["plain general inputs"] = general_inputs(build(args, None))
+    engines[f"{args.method} general inputs"] = general_inputs(build(args, SPECS[args.method]))
     torch_rejection = f"{args.method} torch rejection"
     if args.method == "eagle3" and args.temperature == 0.0:
         engines[f"{args.method} synced"] = sync_drafts(build(args, SPECS[args.method]))

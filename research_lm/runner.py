@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import research_lm.ops
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.buffers import DeviceTokens, HostIds, StepBuffers
 from research_lm.compilation import compile_forward
@@ -35,6 +36,7 @@ from research_lm.cuda_graphs import (
     pad_step_inputs,
     unsupported_reason,
 )
+from research_lm.ops.reference import graph_step_inputs_ref
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import PLACEHOLDER, Request
 from research_lm.rng import to_device
@@ -117,6 +119,9 @@ class ModelRunner:
         # drafted for: the source of PLACEHOLDER drafts in the next step's input.
         self._pending: tuple[Proposal, list[Request]] | None = None
         self._host_ids = HostIds(max_num_batched_tokens, device)
+        # Graph steps whose requests all run q tokens stage their inputs in one copy (`_prepare_uniform`);
+        # False sends them through the general path (the A/B switch of the tests and benchmarks).
+        self.uniform_inputs = True
         # Fires when a step's inputs have left the pinned host buffers, which the next step overwrites.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         if proposer is not None and proposer.aux_hidden_state_layers:
@@ -325,6 +330,8 @@ class ModelRunner:
         buf, bs = self.buffers, self.block_size
         if self._inputs_copied is not None:  # the previous step's copies must have left the host buffers
             self._inputs_copied.synchronize()
+        if (key := self._uniform_graph_key(scheduled)) is not None:
+            return self._prepare_uniform(scheduled, key)
         num_reqs = len(scheduled)
         tokens: list[int] = []
         num_new = np.empty(num_reqs, dtype=np.int64)
@@ -398,6 +405,71 @@ class ModelRunner:
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         return common, sample_rows, graph_key, logits_indices
+
+    def _uniform_graph_key(self, scheduled: list[ScheduledRequest]) -> tuple[int, int] | None:
+        """The graph of a step in which every request runs its newest token and q - 1 drafts, for the same q
+        the graph was captured with (a decode, q = 1, or a verify step), when `uniform_inputs` is on; else None."""
+        if self.cuda_graphs is None or not self.uniform_inputs:
+            return None
+        q = scheduled[0].num_new_tokens
+        for s in scheduled:
+            req = s.request
+            if s.num_new_tokens != q or len(s.spec_token_ids) != q - 1 or req.num_computed_tokens + 1 != req.num_tokens:
+                return None
+        key = self.cuda_graphs.key_for(len(scheduled), q)
+        return key if key is not None and key[1] == q else None
+
+    def _prepare_uniform(
+        self, scheduled: list[ScheduledRequest], key: tuple[int, int]
+    ) -> tuple[CommonAttentionMetadata, list[tuple[int, int]], tuple[int, int], None]:
+        """`_prepare_inputs` for a step `_uniform_graph_key` accepted: the host stages each token (its value, or
+        where on the device it is), each request's start and row, copies that and the block table, and one
+        kernel (research_lm/ops/graph_step_inputs.py) writes the graph's buffers, padding included."""
+        buf, bs = self.buffers, self.block_size
+        (b, q), n = key, len(scheduled)
+        t = n * q
+        staging, block_table = buf.staging.np, buf.block_table.np
+        source = self._pending[0].pending.tokens if self._pending is not None else self._last_sampled
+        starts, max_blocks = [], 0
+        for i, s in enumerate(scheduled):
+            req = s.request
+            start = req.num_computed_tokens
+            tokens = [req.token_ids_slice(start, start + 1)[0], *s.spec_token_ids]
+            held = tokens.count(PLACEHOLDER)  # the last `held` tokens are on the device, in order
+            if held:
+                first = source.first[req.request_id]
+                tokens[q - held :] = [-1 - (first + j * source.stride) for j in range(held)]
+            staging[i * q : (i + 1) * q] = tokens
+            staging[b * q + i] = start
+            staging[b * q + b + i] = self.rows.add(req.request_id)
+            block_table[i, : len(s.block_ids)] = s.block_ids
+            max_blocks = max(max_blocks, len(s.block_ids))
+            starts.append(start)
+        staging[t : b * q] = 0
+        staging[b * q + n : b * q + b] = 0
+        staging[b * q + b + n : b * q + 2 * b] = -1
+        buf.query_start_loc.np[: n + 1] = range(0, t + 1, q)
+        buf.num_computed.np[:n] = starts
+        buf.seq_lens.np[:n] = buf.num_computed.np[:n] + q
+        device_staging = buf.staging.copy_to_gpu(b * q + 2 * b)
+        block_table_gpu = self._copy_block_table(n, max_blocks)
+        write = graph_step_inputs_ref
+        if self.device.type in research_lm.ops.FUSED_DEVICE_TYPES:
+            from research_lm.ops.graph_step_inputs import graph_step_inputs as write  # Triton, imported when it runs
+        write(device_staging, source.ids if source is not None else None, buf.block_table.gpu,
+              buf.input_ids.gpu[: b * q], buf.positions.gpu[: b * q], buf.slot_mapping.gpu[: b * q],
+              buf.seq_lens.gpu[:b], buf.query_start_loc.gpu[: b + 1], buf.request_rows.gpu[:b],
+              n=n, b=b, q=q, block_size=bs)
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        common = CommonAttentionMetadata(
+            query_start_loc=buf.query_start_loc.gpu[: n + 1], query_start_loc_cpu=buf.query_start_loc.cpu[: n + 1],
+            seq_lens=buf.seq_lens.gpu[:n], seq_lens_cpu=buf.seq_lens.cpu[:n],
+            num_computed_tokens_cpu=buf.num_computed.cpu[:n], block_table=block_table_gpu,
+            slot_mapping=buf.slot_mapping.gpu[:t], request_rows=buf.request_rows.gpu[:n], num_reqs=n,
+            num_tokens=t, max_query_len=q, max_seq_len=max(starts) + q, block_size=bs,
+        )
+        return common, [(i, j) for i in range(n) for j in range(q)], key, None
 
     def _fill_holes(self, input_ids: torch.Tensor, holes: np.ndarray, reqs: np.ndarray, qsl: np.ndarray,
                     scheduled: list[ScheduledRequest]) -> None:

@@ -62,3 +62,34 @@ def rotary_ref(
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * I] -> [..., I]
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def graph_step_inputs_ref(
+    staging: torch.Tensor,  # int64 [b*q + 2b]: token values (or -1 - index into source), starts, request rows
+    source: torch.Tensor | None,  # int64 [*]: tokens still on the device (placeholders' values)
+    block_table: torch.Tensor,  # int32 [>= b, blocks]
+    input_ids: torch.Tensor,  # int64 [b*q]
+    positions: torch.Tensor,  # int64 [b*q]
+    slot_mapping: torch.Tensor,  # int64 [b*q]
+    seq_lens: torch.Tensor,  # int32 [b]
+    query_start_loc: torch.Tensor,  # int32 [b + 1]
+    request_rows: torch.Tensor,  # int32 [b]
+    *, n: int, b: int, q: int, block_size: int,
+) -> None:
+    """The step buffers of n requests of q tokens each, padded to b (research_lm.ops.graph_step_inputs)."""
+    t = b * q
+    values, starts, rows = staging[:t], staging[t : t + b], staging[t + b : t + 2 * b]
+    real_req = torch.arange(b, device=staging.device) < n
+    real = real_req.repeat_interleave(q)
+    ids = values.clamp(min=0)
+    if source is not None:
+        ids = torch.where(values >= 0, values, source[(-1 - values).clamp(min=0)])
+    pos = (starts[:, None] + torch.arange(q, device=staging.device)).reshape(-1)
+    req = torch.arange(b, device=staging.device).repeat_interleave(q)
+    blocks = block_table[req, (pos // block_size).clamp(max=block_table.shape[1] - 1)].to(torch.int64)
+    input_ids.copy_(torch.where(real, ids, 0))
+    positions.copy_(torch.where(real, pos, 0))
+    slot_mapping.copy_(torch.where(real, blocks * block_size + pos % block_size, -1))
+    seq_lens.copy_(torch.where(real_req, starts + q, 0))
+    query_start_loc.copy_(torch.arange(b + 1, device=staging.device).clamp(max=n) * q)
+    request_rows.copy_(torch.where(real_req, rows, -1))

@@ -21,6 +21,7 @@ from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capt
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 from tests.spec_decode.test_draft_model import _variant
 from tests.spec_decode.test_spec_formats import V, eagle1_tensors, eagle3_tensors, write_eagle1, write_eagle3
+from tests.test_cuda_graphs import checking_uniform_steps
 
 K = 3
 KNOBS = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks=40,
@@ -242,6 +243,7 @@ def test_greedy_verify_steps_draft_before_the_host_sees_their_tokens(kind, tiny_
     checkpoint = tiny_checkpoint("llama")
     eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture, max_model_len=32)
     early = _with_verify_graphs(llm)
+    uniform = checking_uniform_steps(llm.engine.runner)
     rng = random.Random(7)
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 22)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, None)]
@@ -252,8 +254,24 @@ def test_greedy_verify_steps_draft_before_the_host_sees_their_tokens(kind, tiny_
     assert got == want == [o.outputs[0].token_ids for o in plain]
     assert _same_proposals(proposals, want_proposals)
     assert 3 in early and 1 in early  # padded (3 -> 4) and single-request steps drafted early
+    assert (4, K + 1, False) in uniform and (1, K + 1, False) in uniform  # `_run` resolves every proposal
     assert len(got[2]) == 32 - 22  # ran into max_model_len
     assert any(0 < len(d) < K for p, _ in proposals for d in p.values())  # budgets below k were cut
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+def test_verify_steps_stage_pending_drafts_in_one_copy(tiny_checkpoint, tmp_path):
+    """Verify steps whose drafts are still on the device take the one-copy path (`ModelRunner._prepare_uniform`),
+    which writes what the general path (a device gather of the drafts) writes; the outputs are plain decoding's."""
+    checkpoint = tiny_checkpoint("llama")
+    _, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), "cpu", eager_capture)
+    _with_verify_graphs(llm)
+    uniform = checking_uniform_steps(llm.engine.runner)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 16, 9)]
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    plain = LLM(str(checkpoint), device="cpu", **KNOBS).generate(_prompts(), params, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in plain]
+    assert (4, K + 1, True) in uniform and (1, K + 1, True) in uniform
 
 
 def _verified_against_entry(proposer, device: str) -> None:

@@ -1,0 +1,77 @@
+"""A graph step's inputs from one host -> device copy: the runner's fast path for uniform steps.
+
+Why: a batch-1 decode or verify step replays a graph of ~0.2 ms on the reference target, and its host input
+preparation took about as long (PERFORMANCE.md, twelfth pass): ~40 small numpy ops, eight host -> device
+copies and, for tokens still on the device (async scheduling's sampled token, a proposer's pending drafts),
+a gather and a scatter. When every request runs q tokens (one real token, then q - 1 drafts), the host only
+stages each token's value (or where on the device it is), each request's start position and its row, copies
+that once, and this kernel writes every buffer the graph reads, padding included.
+
+The numbers are `research_lm.ops.reference.graph_step_inputs_ref`'s, value for value: for request i < b and
+j < q, token t = i*q + j, real when i < n: input id staging[t] (when >= 0) or source[-1 - staging[t]], else 0;
+position start_i + j, else 0; slot block_table[i, pos // bs] * bs + pos % bs, else -1; seq len start_i + q,
+else 0; query_start_loc[i] = min(i, n) * q for i <= b; request row staged, else -1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from research_lm.ops.common import next_power_of_2
+
+
+@triton.jit
+def _graph_step_inputs_kernel(
+    staging_ptr, source_ptr, bt_ptr, bt_stride, last_block,
+    ids_ptr, pos_ptr, slots_ptr, seq_lens_ptr, qsl_ptr, rows_ptr,
+    n, b, q, bs,
+    HAS_SOURCE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    real = i < n
+    j = tl.arange(0, BLOCK_Q).to(tl.int64)
+    jm = j < q
+    t = i * q + j
+    value = tl.load(staging_ptr + t, mask=jm, other=0)
+    ids = tl.maximum(value, 0)
+    if HAS_SOURCE:
+        held = jm & (value < 0)
+        ids = tl.where(value < 0, tl.load(source_ptr + tl.maximum(-1 - value, 0), mask=held, other=0), ids)
+    start = tl.load(staging_ptr + b * q + i)
+    pos = start + j
+    block = tl.load(bt_ptr + i * bt_stride + tl.minimum(pos // bs, last_block), mask=jm & real, other=0)
+    tl.store(ids_ptr + t, tl.where(real, ids, 0), mask=jm)
+    tl.store(pos_ptr + t, tl.where(real, pos, 0), mask=jm)
+    tl.store(slots_ptr + t, tl.where(real, block.to(tl.int64) * bs + pos % bs, -1), mask=jm)
+    tl.store(seq_lens_ptr + i, tl.where(real, start + q, 0).to(tl.int32))
+    row = tl.load(staging_ptr + b * q + b + i)
+    tl.store(rows_ptr + i, tl.where(real, row, -1).to(tl.int32))
+    tl.store(qsl_ptr + i, (tl.minimum(i, n) * q).to(tl.int32))
+    tl.store(qsl_ptr + b, (n * q).to(tl.int32), mask=i == 0)
+
+
+def graph_step_inputs(
+    staging: torch.Tensor,  # int64 [>= b*q + 2b], on the device
+    source: torch.Tensor | None,  # int64, 1-D
+    block_table: torch.Tensor,  # int32 [>= b, blocks]
+    input_ids: torch.Tensor,  # int64 [>= b*q]
+    positions: torch.Tensor,  # int64 [>= b*q]
+    slot_mapping: torch.Tensor,  # int64 [>= b*q]
+    seq_lens: torch.Tensor,  # int32 [>= b]
+    query_start_loc: torch.Tensor,  # int32 [>= b + 1]
+    request_rows: torch.Tensor,  # int32 [>= b]
+    *, n: int, b: int, q: int, block_size: int,
+) -> None:
+    """Write the step buffers of n requests of q tokens each, padded to b (module docstring); no sync."""
+    assert staging.dtype == input_ids.dtype == positions.dtype == slot_mapping.dtype == torch.int64
+    assert block_table.dtype == seq_lens.dtype == query_start_loc.dtype == request_rows.dtype == torch.int32
+    assert block_table.stride(1) == 1 and (source is None or (source.dtype == torch.int64 and source.dim() == 1))
+    src = source if source is not None else staging  # unread without HAS_SOURCE
+    _graph_step_inputs_kernel[(b,)](
+        staging, src, block_table, block_table.stride(0), block_table.shape[1] - 1,
+        input_ids, positions, slot_mapping, seq_lens, query_start_loc, request_rows,
+        n, b, q, block_size, HAS_SOURCE=source is not None, BLOCK_Q=next_power_of_2(q), num_warps=1,
+    )

@@ -1,0 +1,63 @@
+"""The uniform graph step's input kernel equals `graph_step_inputs_ref`, buffer for buffer: tokens staged as values
+or as device indices (placeholders), starts crossing block boundaries, padded request rows, q = 1 and q > 1.
+
+Runs under the Triton interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA), on the GPU
+with CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from research_lm.ops.graph_step_inputs import graph_step_inputs
+from research_lm.ops.reference import graph_step_inputs_ref
+from tests.ops.cases import device
+
+BS = 4
+
+
+def _case(n: int, b: int, q: int, held: int, gen: torch.Generator):
+    """Staging for n requests of q tokens (the last `held` of each on the device) padded to b; source; table."""
+    source = torch.randint(0, 1000, (64,), generator=gen)
+    staging = torch.zeros(b * q + 2 * b, dtype=torch.int64)
+    for i in range(n):
+        values = torch.randint(0, 1000, (q,), generator=gen)
+        if held:
+            values[q - held :] = -1 - torch.randperm(64, generator=gen)[:held]
+        staging[i * q : (i + 1) * q] = values
+    staging[b * q : b * q + n] = torch.randint(0, 20, (n,), generator=gen)  # starts: q tokens cross blocks
+    staging[b * q + b : b * q + b + n] = torch.randperm(8, generator=gen)[:n]  # request rows
+    staging[b * q + b + n :] = -1
+    block_table = torch.randint(1, 50, (8, 8), generator=gen, dtype=torch.int32)
+    return staging, (source if held else None), block_table
+
+
+def _buffers(b: int, q: int) -> list[torch.Tensor]:  # stale values everywhere: every row must be written
+    return [torch.full((b * q,), 77, dtype=torch.int64, device=device()) for _ in range(3)] + [
+        torch.full((n,), 77, dtype=torch.int32, device=device()) for n in (b, b + 1, b)]
+
+
+@pytest.mark.parametrize("n, b, q, held", [(1, 1, 1, 0), (1, 1, 1, 1), (3, 4, 4, 3), (2, 8, 6, 5), (4, 4, 2, 0)])
+def test_graph_step_inputs_matches_reference(n, b, q, held):
+    gen = torch.Generator().manual_seed(n * 100 + b * 10 + q + held)
+    staging, source, block_table = _case(n, b, q, held, gen)
+    dev = device()
+    staging, block_table = staging.to(dev), block_table.to(dev)
+    source = source.to(dev) if source is not None else None
+    want, got = _buffers(b, q), _buffers(b, q)
+    graph_step_inputs_ref(staging, source, block_table, *want, n=n, b=b, q=q, block_size=BS)
+    graph_step_inputs(staging, source, block_table, *got, n=n, b=b, q=q, block_size=BS)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w), (g, w)
+    ids, positions, slots, seq_lens, qsl, rows = (x.cpu() for x in want)  # the reference, spelled out once
+    t = n * q
+    assert (ids[t:] == 0).all() and (positions[t:] == 0).all() and (slots[t:] == -1).all()
+    assert seq_lens[n:].tolist() == [0] * (b - n) and rows[n:].tolist() == [-1] * (b - n)
+    assert qsl.tolist() == [min(i, n) * q for i in range(b + 1)]
+    starts = staging[b * q : b * q + n].cpu()
+    assert positions[:t].tolist() == [s + j for s in starts.tolist() for j in range(q)]
+    assert seq_lens[:n].tolist() == (starts + q).tolist()
+    if held:
+        values = staging[:t].cpu()
+        assert ids[:t][values < 0].tolist() == source.cpu()[-1 - values[values < 0]].tolist()
