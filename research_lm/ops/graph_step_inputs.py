@@ -50,7 +50,8 @@ def _graph_step_inputs_kernel(
     row = tl.load(staging_ptr + b * q + b + i)
     tl.store(rows_ptr + i, tl.where(real, row, -1).to(tl.int32))
     tl.store(qsl_ptr + i, (tl.minimum(i, n) * q).to(tl.int32))
-    tl.store(qsl_ptr + b, (n * q).to(tl.int32), mask=i == 0)
+    # n * q is a Python int when Triton specializes n == q == 1: add it to a tensor rather than cast it
+    tl.store(qsl_ptr + b, tl.zeros([], tl.int32) + n * q, mask=i == 0)
 
 
 def graph_step_inputs(
