@@ -430,27 +430,30 @@ class ModelRunner:
         t = n * q
         staging, block_table = buf.staging.np, buf.block_table.np
         source = self._pending[0].pending.tokens if self._pending is not None else self._last_sampled
-        starts, max_blocks = [], 0
+        tokens, starts, rows, max_blocks = [], [], [], 0
         for i, s in enumerate(scheduled):
             req = s.request
-            start = req.num_computed_tokens
-            tokens = [req.token_ids_slice(start, start + 1)[0], *s.spec_token_ids]
-            held = tokens.count(PLACEHOLDER)  # the last `held` tokens are on the device, in order
-            if held:
+            last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
+            tokens.append(last)
+            tokens += s.spec_token_ids
+            if tokens[-1] == PLACEHOLDER:  # the request's last `held` tokens are on the device, in order
+                held = tokens[-q:].count(PLACEHOLDER)
                 first = source.first[req.request_id]
-                tokens[q - held :] = [-1 - (first + j * source.stride) for j in range(held)]
-            staging[i * q : (i + 1) * q] = tokens
-            staging[b * q + i] = start
-            staging[b * q + b + i] = self.rows.add(req.request_id)
+                tokens[-held:] = [-1 - (first + j * source.stride) for j in range(held)]
+            starts.append(req.num_computed_tokens)
+            rows.append(self.rows.add(req.request_id))
             block_table[i, : len(s.block_ids)] = s.block_ids
             max_blocks = max(max_blocks, len(s.block_ids))
-            starts.append(start)
+        staging[:t] = tokens
         staging[t : b * q] = 0
+        staging[b * q : b * q + n] = starts
         staging[b * q + n : b * q + b] = 0
+        staging[b * q + b : b * q + b + n] = rows
         staging[b * q + b + n : b * q + 2 * b] = -1
-        buf.query_start_loc.np[: n + 1] = range(0, t + 1, q)
-        buf.num_computed.np[:n] = starts
-        buf.seq_lens.np[:n] = buf.num_computed.np[:n] + q
+        qsl, computed, seq_lens = buf.query_start_loc.np, buf.num_computed.np, buf.seq_lens.np
+        qsl[: n + 1] = np.arange(0, t + 1, q)
+        computed[:n] = starts
+        np.add(computed[:n], q, out=seq_lens[:n])
         device_staging = buf.staging.copy_to_gpu(b * q + 2 * b)
         block_table_gpu = self._copy_block_table(n, max_blocks)
         write = graph_step_inputs_ref

@@ -331,7 +331,8 @@ class DraftGraphs:
         starts: Sequence[int],  # [n] position of each request's first entry row
         lens: Sequence[int],  # [n] its entry rows (1 .. q)
         budgets: Sequence[int],  # [n] drafts it wants (0: none; its entry rows still write the drafter's KV)
-        features: Callable[[torch.Tensor], torch.Tensor] | None = None,  # feature rows [T] (device) -> [T, F]
+        # (feature rows [T] on the device, out [T, F]) -> out: writes the entry rows' target features in place
+        features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
         sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
         verified: tuple[torch.Tensor, torch.Tensor] | None = None,  # the "verified" rule: the verify step's
@@ -376,9 +377,12 @@ class DraftGraphs:
         staged = self.staging[: lay.size]
         staged.copy_(self.staging_host[: lay.size], non_blocking=True)
         cols = min(block_table.shape[1], self.block_table.shape[1])
-        self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
+        if list(rows) == list(range(n)):  # the step's first n rows, in order (the "verified" rule): no gather
+            self.block_table[:n, :cols].copy_(block_table[:n, :cols])
+        else:
+            self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
         if features is not None:
-            self.features[:num_tokens].copy_(features(staged[lay.token(3)][:num_tokens]))
+            features(staged[lay.token(3)][:num_tokens], self.features[:num_tokens])
         rule = "sample" if sampling is not None else "argmax"
         if verified is not None:
             assert self.drafts_verified and sampling is None and num_tokens == n * self.query_len

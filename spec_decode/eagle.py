@@ -247,11 +247,12 @@ class EagleProposer:
         embed = self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
         return embed(ids)
 
-    def _target_features(self, outcome: StepOutcome, rows: torch.Tensor) -> torch.Tensor:  # rows [T] -> [T, F]
+    def _target_features(self, outcome: StepOutcome, rows: torch.Tensor | slice,
+                         out: torch.Tensor | None = None) -> torch.Tensor:  # rows [T] -> [T, F], into out if given
         """What the head reads of the target at these rows: EAGLE-3 its aux streams side by side (F = 3 H_target)."""
         if isinstance(self.head, Eagle3Head):
-            return torch.cat([aux[rows] for aux in outcome.aux_hidden_states], dim=-1)
-        return outcome.hidden_states[rows]
+            return torch.cat([aux[rows] for aux in outcome.aux_hidden_states], dim=-1, out=out)
+        return outcome.hidden_states[rows] if out is None else out.copy_(outcome.hidden_states[rows])
 
     def _head_features(self, target_features: torch.Tensor) -> torch.Tensor:  # [T, F] -> [T, H]
         return self.head.fc(target_features) if isinstance(self.head, Eagle3Head) else target_features
@@ -300,7 +301,7 @@ class EagleProposer:
 
         def launch() -> None:
             graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
-                       features=lambda _: self._target_features(outcome, slice(0, t)),
+                       features=lambda _, out: self._target_features(outcome, slice(0, t), out),
                        verified=(outcome.greedy_ids[:t], outcome.input_ids[:t]))
             self._drafted_before_verification = outcome
 
@@ -330,7 +331,7 @@ class EagleProposer:
         if rule is not None:
             drafting.replay(self.graphs, rule, outcome.common.block_table, batch_rows, starts, lens, tokens,
                             lambda *span: self._entry(outcome, *span), feature_rows=feature_rows,
-                            features=lambda rows: self._target_features(outcome, rows))
+                            features=lambda rows, out: self._target_features(outcome, rows, out))
             return drafting.proposal(reqs)
         out, hidden = self._entry(outcome, batch_rows, starts, lens, tokens, feature_rows)
         if not drafting.index:

@@ -264,7 +264,7 @@ class Drafting:
         tokens: list[int],  # the entry rows' tokens, request after request
         catch_up: Callable[..., Any],  # (rows, starts, lens, tokens[, feature_rows]): an eager entry forward
         feature_rows: list[int] | None = None,  # EAGLE: each entry row's row in the target step
-        features: Callable[[torch.Tensor], torch.Tensor] | None = None,  # EAGLE: feature rows -> features
+        features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # EAGLE: `DraftGraphs.run`'s
     ) -> None:
         """Draft the whole step from `graphs`. Entries longer than the graph's q rows (prompts) first write the
         drafter's KV for all but their last q rows through `catch_up`, eagerly (`DraftGraphs.split`)."""

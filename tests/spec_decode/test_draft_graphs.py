@@ -302,9 +302,9 @@ def _verified_against_entry(proposer, device: str) -> None:
 
     want_drafts, want_kv = drafted(
         tokens=[tok for i, a in enumerate(n_acc) for tok in g[i, : a + 1].tolist()], lens=[a + 1 for a in n_acc],
-        budgets=budgets, features=lambda rows: features[rows],
+        budgets=budgets, features=lambda rows, out: out.copy_(features[rows]),
         feature_rows=[i * q + j for i, a in enumerate(n_acc) for j in range(a + 1)])
-    got_drafts, got_kv = drafted(tokens=(), lens=[q] * n, budgets=rooms, features=lambda _: features,
+    got_drafts, got_kv = drafted(tokens=(), lens=[q] * n, budgets=rooms, features=lambda _, out: out.copy_(features),
                                  verified=(g.view(-1).to(device), x.view(-1).to(device)))
     assert got_drafts == want_drafts and all(len(d) for d in got_drafts)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_kv, want_kv, strict=True))
@@ -326,12 +326,12 @@ def _bookkeeping_cases(device: str, width: int) -> list[dict]:
     g, x = torch.randint(V, (n, q), generator=gen), torch.randint(V, (n, q), generator=gen)
     x[0, 1], x[1, 1], x[1, 2], x[2, 1:] = g[0, 0] + 1, g[1, 0], g[1, 1] + 1, g[2, :K]  # 0, 1 and k accepted
     features = torch.randn(n * q, width, generator=gen)
-    common = dict(starts=[3, 7, 0], features=lambda rows: features[rows.cpu() % (n * q)].to(device))
+    common = dict(starts=[3, 7, 0], features=lambda rows, out: out.copy_(features[rows.cpu() % (n * q)]))
     packed = dict(tokens=[5, 6, 7, 8, 9, 10, 11], lens=[1, 2, 4], budgets=[K, 1, 0], feature_rows=list(range(7)))
     sampling = DraftSampling(temperature=[1.0, 0.5, 1.0], greedy=[True, False, False], seeds=[1, 2, 3],
                              positions=[4, 5, 6])
     return [common | packed, common | packed | dict(sampling=sampling),
-            common | dict(tokens=(), lens=[q] * n, budgets=[20, 4, 20], features=lambda _: features.to(device),
+            common | dict(tokens=(), lens=[q] * n, budgets=[20, 4, 20], features=lambda _, out: out.copy_(features),
                           verified=(g.view(-1).to(device), x.view(-1).to(device)))]
 
 
