@@ -28,7 +28,8 @@ the same code differed by up to 1.4x in ms/token on that machine, while their ph
 
 Same-process A/B rows: "plain general inputs" and "<method> general inputs" prepare graph steps' inputs on the
 general path (`ModelRunner.uniform_inputs` off: numpy over the batch, a copy per buffer, a device gather of the
-tokens still there) instead of one staged copy and one kernel (research_lm/ops/graph_step_inputs.py). And for eagle3:
+tokens still there) instead of one staged copy and one kernel (research_lm/ops/graph_step_inputs.py); "... inputs
+launched" launch that kernel every step instead of replaying it from a small graph. And for eagle3:
 - greedy: "eagle3 synced" waits for each step's drafts inside `propose`, as every step did before drafts stayed
   on the device (`research_lm.spec.PendingDrafts`); "eagle3 verify first" never drafts before verification
   (`EagleProposer.propose_before_verification` declines), so the host verifies, then stages the drafting, as
@@ -122,6 +123,13 @@ def general_inputs(llm: LLM) -> LLM:
     return llm
 
 
+def inputs_launched(llm: LLM) -> LLM:
+    """The A/B switch: the one-copy path launches its Triton kernel every step instead of replaying it from a small
+    graph (`research_lm.ops.graph_step_inputs.GraphStepInputs`)."""
+    llm.engine.runner.input_graphs = 0
+    return llm
+
+
 def build(args: argparse.Namespace, spec: dict[str, Any] | None) -> LLM:
     device = torch.device(args.device)
     return LLM("tiny-llama", device=args.device, cuda_graphs=device.type == "cuda", max_num_seqs=args.batch,
@@ -142,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = args.name or NAME
     engines = {"plain": build(args, None), args.method: build(args, SPECS[args.method])}
     engines["plain general inputs"] = general_inputs(build(args, None))
+    engines["plain inputs launched"] = inputs_launched(build(args, None))
+    engines[f"{args.method} inputs launched"] = inputs_launched(build(args, SPECS[args.method]))
     engines[f"{args.method} general inputs"] = general_inputs(build(args, SPECS[args.method]))
     torch_rejection = f"{args.method} torch rejection"
     if args.method == "eagle3" and args.temperature == 0.0:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import research_lm.ops
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.buffers import DeviceTokens, HostIds, StepBuffers
 from research_lm.compilation import compile_forward
@@ -36,7 +35,6 @@ from research_lm.cuda_graphs import (
     pad_step_inputs,
     unsupported_reason,
 )
-from research_lm.ops.reference import graph_step_inputs_ref
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import PLACEHOLDER, Request
 from research_lm.rng import to_device
@@ -122,6 +120,9 @@ class ModelRunner:
         # Graph steps whose requests all run q tokens stage their inputs in one copy (`_prepare_uniform`);
         # False sends them through the general path (the A/B switch of the tests and benchmarks).
         self.uniform_inputs = True
+        # How many small graphs may replay `_prepare_uniform`'s kernel (0: always launch it; the benchmarks' A/B)
+        self.input_graphs = 16
+        self._write_inputs = None  # research_lm.ops.graph_step_inputs.GraphStepInputs, made at the first such step
         # Fires when a step's inputs have left the pinned host buffers, which the next step overwrites.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         if proposer is not None and proposer.aux_hidden_state_layers:
@@ -423,8 +424,9 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest], key: tuple[int, int]
     ) -> tuple[CommonAttentionMetadata, list[tuple[int, int]], tuple[int, int], None]:
         """`_prepare_inputs` for a step `_uniform_graph_key` accepted: the host stages each token (its value, or
-        where on the device it is), each request's start and row, copies that and the block table, and one
-        kernel (research_lm/ops/graph_step_inputs.py) writes the graph's buffers, padding included."""
+        where on the device it is), each request's start and row, and n, copies that and the block table, and one
+        kernel (research_lm/ops/graph_step_inputs.py, replayed from a small graph once its key recurs) writes the
+        graph's buffers, padding included."""
         buf, bs = self.buffers, self.block_size
         (b, q), n = key, len(scheduled)
         t = n * q
@@ -454,15 +456,14 @@ class ModelRunner:
         qsl[: n + 1] = np.arange(0, t + 1, q)
         computed[:n] = starts
         np.add(computed[:n], q, out=seq_lens[:n])
-        device_staging = buf.staging.copy_to_gpu(b * q + 2 * b)
+        staging[b * q + 2 * b] = n
+        buf.staging.copy_to_gpu(b * q + 2 * b + 1)
         block_table_gpu = self._copy_block_table(n, max_blocks)
-        write = graph_step_inputs_ref
-        if self.device.type in research_lm.ops.FUSED_DEVICE_TYPES:
-            from research_lm.ops.graph_step_inputs import graph_step_inputs as write  # Triton, imported when it runs
-        write(device_staging, source.ids if source is not None else None, buf.block_table.gpu,
-              buf.input_ids.gpu[: b * q], buf.positions.gpu[: b * q], buf.slot_mapping.gpu[: b * q],
-              buf.seq_lens.gpu[:b], buf.query_start_loc.gpu[: b + 1], buf.request_rows.gpu[:b],
-              n=n, b=b, q=q, block_size=bs)
+        if self._write_inputs is None:
+            from research_lm.ops.graph_step_inputs import GraphStepInputs  # Triton, imported when it runs
+
+            self._write_inputs = GraphStepInputs(buf, bs, max_graphs=self.input_graphs)
+        self._write_inputs(source.ids if source is not None else None, b, q)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         common = CommonAttentionMetadata(

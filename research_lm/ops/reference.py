@@ -65,7 +65,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * I] -> [..., 
 
 
 def graph_step_inputs_ref(
-    staging: torch.Tensor,  # int64 [b*q + 2b]: token values (or -1 - index into source), starts, request rows
+    staging: torch.Tensor,  # int64 [b*q + 2b + 1]: token values (or -1 - index into source), starts, rows, n
     source: torch.Tensor | None,  # int64 [*]: tokens still on the device (placeholders' values)
     block_table: torch.Tensor,  # int32 [>= b, blocks]
     input_ids: torch.Tensor,  # int64 [b*q]
@@ -74,10 +74,11 @@ def graph_step_inputs_ref(
     seq_lens: torch.Tensor,  # int32 [b]
     query_start_loc: torch.Tensor,  # int32 [b + 1]
     request_rows: torch.Tensor,  # int32 [b]
-    *, n: int, b: int, q: int, block_size: int,
+    *, b: int, q: int, block_size: int,
 ) -> None:
     """The step buffers of n requests of q tokens each, padded to b (research_lm.ops.graph_step_inputs)."""
     t = b * q
+    n = int(staging[t + 2 * b])
     values, starts, rows = staging[:t], staging[t : t + b], staging[t + b : t + 2 * b]
     real_req = torch.arange(b, device=staging.device) < n
     real = real_req.repeat_interleave(q)
