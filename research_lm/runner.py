@@ -163,7 +163,9 @@ class ModelRunner:
         capture_drafts = getattr(self.proposer, "capture_cuda_graphs", None)
         if capture_drafts is not None:
             capture_drafts(sizes=sizes, capture=cuda_graph_capture, block_size=self.block_size,
-                           max_blocks_per_req=self.buffers.block_table.gpu.shape[1])
+                           max_blocks_per_req=self.buffers.block_table.gpu.shape[1],
+                           verified_inputs=None if self.cuda_graphs.greedy_ids is None
+                           else (self.cuda_graphs.greedy_ids, self.buffers.input_ids.gpu))
         return None
 
     # ---- one step -------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ def _slot(bt_ptr, bt_stride, row, pos, writes, mask, bs, last_block):
 @triton.jit
 def _bookkeeping_kernel(
     staging_ptr,  # int64, `draft_graphs._Layout` offsets below
-    verified_ptr,  # int64 [2, Aq]: the verify's argmax g, then its input x (row stride verified_stride)
-    verified_stride,
+    g_ptr,  # int64 [>= b*q]: the verify's argmax g
+    x_ptr,  # int64 [>= b*q]: its input x
     bt_ptr,  # int32 [A, blocks]
     bt_stride,
     last_block,
@@ -70,8 +70,8 @@ def _bookkeeping_kernel(
         n_acc = tl.zeros([BLOCK_B], tl.int64)
         alive = rm
         for j in tl.static_range(K):
-            g = tl.load(verified_ptr + r * q + j, mask=rm, other=0)
-            x = tl.load(verified_ptr + verified_stride + r * q + j + 1, mask=rm, other=-1)
+            g = tl.load(g_ptr + r * q + j, mask=rm, other=0)
+            x = tl.load(x_ptr + r * q + j + 1, mask=rm, other=-1)
             alive = alive & (x == g)
             n_acc += alive.to(tl.int64)
         last = r * q + n_acc
@@ -111,7 +111,7 @@ def _bookkeeping_kernel(
 def draft_bookkeeping(
     staging: torch.Tensor,  # int64, a `_Layout(b, q)`'s size
     offsets: dict[str, int],  # staging offsets: "pos", "req" (token rows), "qsl", "seq", "last", "budget"
-    verified: torch.Tensor | None,  # [2, >= b*q] int64 ("verified" rule), else None
+    verified: tuple[torch.Tensor, torch.Tensor] | None,  # g, x [>= b*q] int64 ("verified" rule), else None
     block_table: torch.Tensor,  # [>= b, blocks] int32
     entry_qsl: torch.Tensor,  # [b + 1] int32
     entry_seq_lens: torch.Tensor,  # [b] int32
@@ -127,10 +127,11 @@ def draft_bookkeeping(
     assert staging.dtype == torch.int64 and block_table.dtype == torch.int32 and block_table.stride(1) == 1
     assert positions.stride() == slots.stride() == seq_lens.stride() and positions.stride(1) == 1
     assert entry_qsl.dtype == entry_seq_lens.dtype == qsl.dtype == seq_lens.dtype == torch.int32
-    v = verified if verified is not None else staging  # unread without VERIFIED
+    g, x = verified if verified is not None else (staging, staging)  # unread without VERIFIED
+    assert g.dtype == x.dtype == torch.int64 and g.is_contiguous() and x.is_contiguous()
     block_t = min(_MAX_BLOCK_T, next_power_of_2(b * q))
     _bookkeeping_kernel[(1,)](
-        staging, v, v.stride(0) if verified is not None else 0, block_table, block_table.stride(0),
+        staging, g, x, block_table, block_table.stride(0),
         block_table.shape[1] - 1, entry_qsl, entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots,
         positions.stride(0), offsets["pos"], offsets["req"], offsets["qsl"], offsets["seq"], offsets["last"],
         offsets["budget"], b, q, block_size,

@@ -32,7 +32,9 @@ Persistent buffers, allocated once for the largest size A (a replay reads them w
                                    budget: the scheduler allocated slots for the drafts the request asked for,
                                    no more. Step j reads draft j as its ids and (EAGLE) the previous step's
                                    output as its feature, in place: no copies between the steps' forwards
-    verified [2, Aq] int64         "verified": the verify step's argmax and input ids (request r at rows r*q ..)
+    verified 2 x [Aq] int64        "verified": the verify step's argmax and input ids (request r at rows r*q ..):
+                                   the target's own buffers when the runner hands them over (read in place),
+                                   else copies
     drafts [k, A] int64            drafts 1 .. k of each request (row j: draft j + 1); the next step's forward
                                    reads them here, and `drafts_host` (pinned) receives a copy of all of it
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
@@ -42,7 +44,7 @@ writing no KV; their drafts are dropped on the host.
 
 A third rule, "verified", drafts before the host knows what the target emitted (`run(verified=...)`): for
 an all-greedy step where every request verified k drafts (q = k + 1 rows each, request r at rows r*q ..),
-a prologue inside the graph takes the verify forward's argmax g and input x (copied into `verified`),
+a prologue inside the graph takes the verify forward's argmax g and input x (in place, or copies: `verified`),
 accepts while x[j + 1] == g[j] (n_acc), and enters the tokens the request emits, g[0 .. n_acc], at positions
 c .. c + n_acc: rows past n_acc write no KV and feed nothing. Draft 1 is picked at row r*q + n_acc, and the
 budget min(k, room - n_acc - 2) (`spec_decode.heads.draft_budget`) comes from each request's room, staged
@@ -140,6 +142,9 @@ class DraftGraphs:
         features: tuple[int, torch.dtype] | None,  # (F, dtype) of the entry features, or None
         device: torch.device,
         capture: Capture,
+        # The target's argmax and input-id buffers (1-D int64, the verify graphs' and the runner's), which a
+        # "verified" graph then reads in place; None (or too short): it reads copies in its own buffers
+        verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         self.k, self.vocab_size, self.block_size = num_speculative_tokens, vocab_size, block_size
         self.query_len = query_len
@@ -173,7 +178,9 @@ class DraftGraphs:
         # "verified" needs q = k + 1 rows per request, and a drafter fed by features (EAGLE): a draft model's
         # entry starts below the verified tokens.
         self.drafts_verified = query_len == num_speculative_tokens + 1 and features is not None
-        self.verified = torch.zeros(2, a * q, **i64)
+        fits = verified_inputs is not None and min(len(v) for v in verified_inputs) >= a * q
+        self.verified_in_place = fits
+        self.verified = tuple(verified_inputs) if fits else tuple(torch.zeros(2, a * q, **i64).unbind(0))
         self._replay: dict[tuple[int, str], Callable[[], Any]] = {}  # (size, rule) -> replay
         self._entry, self._step, self._logits, self._argmax = entry, step, logits, argmax
         self._backends = {layer.backend.name: layer.backend for layer in layers}
@@ -210,7 +217,9 @@ class DraftGraphs:
         self.entry_seq_lens[: lay.b].copy_(host[lay.request(1)])
         self.query_start_loc[: lay.b + 1].copy_(torch.arange(lay.b + 1))
         self.seq_lens[:, : lay.b].fill_(1)
-        self.verified.zero_()  # "verified": padding rows keep reading token 0
+        if not self.verified_in_place:  # "verified": padding rows keep reading token 0
+            for v in self.verified:
+                v.zero_()
 
     def _draft_fn(self, lay: _Layout, rule: str) -> Callable[[], None]:
         b, t, bs, vocab = lay.b, lay.t, self.block_size, self.vocab_size
@@ -220,7 +229,7 @@ class DraftGraphs:
         seeds, out_pos, greedy_in = (st[lay.request(i)] for i in (5, 6, 7))
         sampled = rule == "sample"
         offset = self.entry_offsets
-        verified = self.verified[:, :t].view(2, b, lay.q)  # "verified": argmax g and input x per request row
+        verified = tuple(v[:t].view(b, lay.q) for v in self.verified)  # "verified": argmax g, input x per request
         temperature, probs = self.temperature[:b], self.probs[:b]
         entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
         features = None if self.features is None else self.features[:t]
@@ -278,7 +287,7 @@ class DraftGraphs:
             from spec_decode.draft_bookkeeping import draft_bookkeeping  # Triton, imported when a kernel runs
 
             draft_bookkeeping(
-                st[: lay.size], offsets, verified.view(2, t) if rule == "verified" else None, block_table, entry_qsl,
+                st[: lay.size], offsets, verified if rule == "verified" else None, block_table, entry_qsl,
                 entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots, b=b, q=lay.q, k=self.k,
                 block_size=bs)
             return last_rows
@@ -387,7 +396,8 @@ class DraftGraphs:
         if verified is not None:
             assert self.drafts_verified and sampling is None and num_tokens == n * self.query_len
             for dst, src in zip(self.verified, verified, strict=True):
-                dst[:num_tokens].copy_(src)
+                if src.data_ptr() != dst.data_ptr():  # the graph reads dst: the target's own buffer, or a copy
+                    dst[:num_tokens].copy_(src)
             rule = "verified"
         self._replay[size, rule]()
         self.drafts_host.copy_(self.drafts, non_blocking=True)  # all of it: one contiguous copy

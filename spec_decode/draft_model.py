@@ -126,9 +126,11 @@ class DraftModelProposer:
             self._fed[req.request_id] = (newest[i] + 1, toks[:-1])  # d(k) was never fed
         return drafting.proposal(reqs)
 
-    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
-                            max_blocks_per_req: int) -> None:
-        """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
+    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
+                            verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache
+        (`verified_inputs` go unread: a draft model's entry starts below the verified tokens, so it never drafts
+        before verification)."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.model, backends) is not None:
             return

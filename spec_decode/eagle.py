@@ -348,9 +348,10 @@ class EagleProposer:
         drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last])
         return drafting.proposal(reqs)
 
-    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int,
-                            max_blocks_per_req: int) -> None:
-        """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache."""
+    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
+                            verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
+        "verified" ones read the target's argmax and input ids in place where the runner hands their buffers over."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.head, backends) is not None:
             return
@@ -364,7 +365,7 @@ class EagleProposer:
             num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size, sizes=sizes,
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
             max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
-            features=(width, fc.dtype), device=fc.device, capture=capture,
+            features=(width, fc.dtype), device=fc.device, capture=capture, verified_inputs=verified_inputs,
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

@@ -220,6 +220,11 @@ def _with_verify_graphs(llm: LLM) -> list[int]:
         block_size=runner.block_size, max_seq_len=runner.max_model_len, compute_logits=runner.model.compute_logits,
         vocab_size=runner.vocab_size, capture=eager_capture)
     runner.proposer.propose_before_verification = _counting(runner.proposer.propose_before_verification, early)
+    # As the runner captures them: the "verified" graphs read the verify graphs' argmax and input ids in place.
+    runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=eager_capture, block_size=runner.block_size,
+                                        max_blocks_per_req=runner.buffers.block_table.gpu.shape[1],
+                                        verified_inputs=(runner.cuda_graphs.greedy_ids, runner.buffers.input_ids.gpu))
+    assert runner.proposer.graphs.verified_in_place
     return early
 
 
