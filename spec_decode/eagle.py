@@ -53,6 +53,7 @@ from research_lm.models.layers import (
     rope_parameters,
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
+from research_lm.ops import use_fused
 from research_lm.request import Request
 from research_lm.spec import Proposal, StepOutcome
 from spec_decode.draft_graphs import DraftGraphs
@@ -149,7 +150,15 @@ class Eagle3Layer(nn.Module):
         else:
             residual = features
             features = self.hidden_norm(features)
-        hidden = torch.cat([self.input_layernorm(embeds), features], dim=-1)
+        return self.attend(torch.cat([self.input_layernorm(embeds), features], dim=-1), residual, rope, attn_metadata)
+
+    def attend(
+        self,
+        hidden: torch.Tensor,  # [T, 2H]: [input_layernorm(embeds); hidden_norm(features)]
+        residual: torch.Tensor,  # [T, H]
+        rope: Rope,
+        attn_metadata: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output, residual)
         hidden = self.self_attn(hidden, rope, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -177,6 +186,7 @@ class Eagle3Head(nn.Module):
             self.rotary_emb = _rotary(cfg)
         # draft id -> target id; filled from the checkpoint's d2t offsets
         self.register_buffer("draft_to_target", torch.arange(draft_vocab_size, device=build.device))
+        self.fused_ops = True  # `forward_tokens` and `argmax` take their kernels on CUDA (research_lm.ops)
 
     def forward(
         self,
@@ -189,6 +199,29 @@ class Eagle3Head(nn.Module):
         normed, prenorm = self.norm(hidden, residual)
         return normed, prenorm
 
+    def forward_tokens(
+        self,
+        ids: torch.Tensor,  # [T] int64: x[t+1]
+        embed: nn.Module,  # the embedding they are looked up in (the head's own, or the target's)
+        features: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T] int64
+        attn_metadata: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(embed(ids), ...)`. On the fused path (`use_fused`, a plain embedding table, one dtype) the lookup,
+        both input norms and their concatenation run as one kernel (spec_decode/eagle3_kernels.py)."""
+        mid, table = self.midlayer, getattr(embed, "weight", None)
+        if (type(embed) is not VocabParallelEmbedding or not use_fused(self, features)
+                or not table.dtype == mid.input_layernorm.weight.dtype == mid.hidden_norm.weight.dtype):
+            return self(embed(ids), features, positions, attn_metadata)
+        from spec_decode.eagle3_kernels import eagle3_input  # Triton, imported when it runs
+
+        features = features.to(table.dtype)
+        hidden = eagle3_input(ids, table, features, mid.input_layernorm.weight, mid.hidden_norm.weight,
+                              mid.input_layernorm.eps)
+        residual = hidden[:, features.shape[1] :] if mid.norm_before_residual else features
+        hidden, residual = mid.attend(hidden, residual, self.rotary_emb(positions), attn_metadata)
+        return self.norm(hidden, residual)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, target vocab] fp32
         """Draft-vocab logits scattered to their target ids; tokens outside the draft vocab get -inf."""
         draft_logits = compute_logits(self.lm_head, hidden)  # [n, draft_vocab]
@@ -200,8 +233,12 @@ class Eagle3Head(nn.Module):
         """`compute_logits(hidden).argmax(-1)` as target ids, without the scatter or the fp32 copy (exact, so the same
         order), into `out` if given. Equal on ties only when draft ids ascend with their target ids
         (`draft_vocab_ascends`), as they do in the published heads."""
-        ids = torch.nn.functional.linear(hidden, self.lm_head.weight).argmax(dim=-1)
-        return torch.index_select(self.draft_to_target, 0, ids, out=out)
+        logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
+        if use_fused(self, logits):  # the argmax and the lookup in one kernel
+            from spec_decode.eagle3_kernels import argmax_gather  # Triton, imported when it runs
+
+            return argmax_gather(logits, self.draft_to_target, out=out)
+        return torch.index_select(self.draft_to_target, 0, logits.argmax(dim=-1), out=out)
 
     @property
     def draft_vocab_ascends(self) -> bool:
@@ -243,9 +280,8 @@ class EagleProposer:
         self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
         self._drafted_before_verification: StepOutcome | None = None  # the step whose drafts are under way
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        embed = self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
-        return embed(ids)
+    def _embedding(self) -> nn.Module:
+        return self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
 
     def _target_features(self, outcome: StepOutcome, rows: torch.Tensor | slice,
                          out: torch.Tensor | None = None) -> torch.Tensor:  # rows [T] -> [T, F], into out if given
@@ -270,7 +306,9 @@ class EagleProposer:
         return None
 
     def _forward(self, ids, positions, md, features):  # `DraftForward` over the head's own features
-        return self.head(self._embed(ids), features, positions, md)
+        if isinstance(self.head, Eagle3Head):
+            return self.head.forward_tokens(ids, self._embedding(), features, positions, md)
+        return self.head(self._embedding()(ids), features, positions, md)
 
     def _entry(self, outcome: StepOutcome, batch_rows: list[int], starts: list[int], lens: list[int],
                tokens: list[int], feature_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
