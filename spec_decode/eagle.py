@@ -161,18 +161,7 @@ class Eagle3Layer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output, residual)
         hidden = self.self_attn(hidden, rope, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self._mlp(hidden), residual
-
-    def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The MLP; over a few rows on the fused path its activation and down projection are one kernel
-        (spec_decode/eagle3_kernels.py): a draft graph's steps run one row per request."""
-        mlp = self.mlp
-        if use_fused(mlp, hidden) and mlp.down_proj.bias is None:
-            from spec_decode import eagle3_kernels  # Triton, imported when it runs
-
-            if hidden.shape[0] <= eagle3_kernels.SILU_MUL_DOWN_MAX_ROWS:
-                return eagle3_kernels.silu_mul_down(mlp.gate_up_proj(hidden), mlp.down_proj.weight)
-        return mlp(hidden)
+        return self.mlp(hidden), residual
 
 
 class Eagle3Head(nn.Module):

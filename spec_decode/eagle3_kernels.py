@@ -1,4 +1,4 @@
-"""Triton kernels around EAGLE-3's midlayer: its input, its MLP's down projection, and its greedy pick.
+"""Two Triton kernels around EAGLE-3's midlayer: its input, and its greedy pick.
 
 Why: a draft graph's forwards are a one-layer head over a handful of rows, so on the GPU its time follows its kernel
 count (~2 µs each on an H200). A profile of the batch-1 "verified" draft graph on the reference target (98 kernels,
@@ -8,8 +8,6 @@ norms, ~1.1 µs on their concatenation, ~3 µs on the argmax over the draft voca
 - `eagle3_input`: [norm_in(E[ids]); norm_hidden(features)] in one pass per row (the embedding row and the feature
   row stay in registers), where the torch path runs an embedding gather, two RMSNorms and a cat. The norms are
   `research_lm.ops.rms_norm`'s arithmetic, op for op, so the rows are bit-identical to that kernel's.
-- `silu_mul_down`: down_proj(silu(gate) * up) for a few rows, where the torch path runs the activation kernel, then
-  a split-K GEMM (cuBLAS's pick for [1, 4096] x [4096, 192]) and its reduce: ~7 µs in three kernels per step.
 - `argmax_gather`: table[argmax(logits)] per row (the first maximum on ties, as torch), where the torch path runs an
   argmax reduction and an index_select.
 
@@ -125,59 +123,4 @@ def argmax_gather(
         block = min(next_power_of_2(vocab), 4096)
         _argmax_gather_kernel[(n,)](logits, logits.stride(0), table, out, vocab, BLOCK=block,
                                     num_warps=num_warps_for(block))
-    return out
-
-
-@triton.jit
-def _silu_mul_down_kernel(
-    x_ptr,  # [m, 2I]: gate | up, row stride x_stride
-    x_stride,
-    w_ptr,  # [H, I] down_proj.weight, contiguous
-    out_ptr,  # [m, H] contiguous
-    m,
-    inter,
-    hidden,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rows = tl.arange(0, BLOCK_M).to(tl.int64)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    rm, cm = rows < m, cols < hidden
-    dtype = w_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        km = ks < inter
-        xm = rm[:, None] & km[None, :]
-        gate = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + rows[:, None] * x_stride + inter + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-        act = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)  # `_silu_and_mul_kernel`'s
-        w = tl.load(w_ptr + cols[:, None] * inter + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0)
-        # fp32 products of the rounded operands are exact for bf16 / fp16 (what a tensor-core MMA with an fp32
-        # accumulator computes); for fp32 operands full precision, as torch's fp32 matmul (no TF32)
-        acc += tl.dot(act, tl.trans(w.to(tl.float32)), input_precision="ieee")
-    tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], round_to(acc, out_ptr.dtype.element_ty),
-             mask=rm[:, None] & cm[None, :])
-
-
-SILU_MUL_DOWN_MAX_ROWS = 16  # one tile of rows: a draft graph's chain steps (batch rows), its entry (batch x q)
-
-
-def silu_mul_down(
-    gate_up: torch.Tensor,  # [m, 2I], m <= SILU_MUL_DOWN_MAX_ROWS, last dim contiguous
-    weight: torch.Tensor,  # [H, I] down_proj.weight (no bias)
-) -> torch.Tensor:  # [m, H]: down_proj(silu(gate) * up)
-    """The MLP's activation and its down projection in one kernel, for a few rows: no [m, I] activation round trip,
-    and no split-K GEMM with its reduce kernel, which cuBLAS picks for this skinny shape (module docstring)."""
-    m, hidden, inter = gate_up.shape[0], weight.shape[0], weight.shape[1]
-    assert gate_up.shape[1] == 2 * inter and gate_up.stride(1) == 1 and m <= SILU_MUL_DOWN_MAX_ROWS, gate_up.shape
-    assert weight.is_contiguous() and weight.dtype == gate_up.dtype, (weight.stride(), weight.dtype, gate_up.dtype)
-    out = torch.empty(m, hidden, dtype=gate_up.dtype, device=gate_up.device)
-    if m:
-        block_n = 16
-        _silu_mul_down_kernel[(triton.cdiv(hidden, block_n),)](
-            gate_up, gate_up.stride(0), weight, out, m, inter, hidden,
-            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4,
-        )
     return out

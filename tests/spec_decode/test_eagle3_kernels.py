@@ -11,10 +11,10 @@ import torch
 import research_lm.ops
 from research_lm import SamplingParams
 from research_lm.cuda_graphs import eager_capture
-from research_lm.ops import rms_norm_ref, silu_and_mul_ref
+from research_lm.ops import rms_norm_ref
 from research_lm.ops.rms_norm import rms_norm
 from spec_decode import eagle3_kernels
-from spec_decode.eagle3_kernels import argmax_gather, eagle3_input, silu_mul_down
+from spec_decode.eagle3_kernels import argmax_gather, eagle3_input
 from tests.ops.cases import assert_matches, device
 from tests.spec_decode.test_draft_graphs import K, _pair, _prompts, _run, _same_proposals, _spec
 
@@ -33,21 +33,6 @@ def test_eagle3_input_is_two_norms_of_a_lookup_side_by_side(dtype):
     w_in, w_hidden = w_in.contiguous(), w_hidden.contiguous()
     kernel = torch.cat([rms_norm(table[ids], w_in, eps), rms_norm(features, w_hidden, eps)], -1)
     assert torch.equal(got, kernel)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, inter", [(1, 300), (6, 64), (16, 256)])
-def test_silu_mul_down_is_the_activation_then_the_down_projection(dtype, rows, inter):
-    gen = torch.Generator().manual_seed(rows * 1000 + inter)
-    hidden = 40  # not a multiple of the kernel's 16 output columns
-    gate_up = (2 * torch.randn(rows, 2 * inter, generator=gen)).to(device(), dtype)
-    weight = (torch.randn(hidden, inter, generator=gen) / inter**0.5).to(device(), dtype)
-    want = torch.nn.functional.linear(silu_and_mul_ref(gate_up), weight)
-    got = silu_mul_down(gate_up, weight)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    # the products of one rounded activation, summed in another order than the GEMM's: within a few output ulps
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-5 if dtype == torch.float32 else 2e-2,
-                               atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("vocab", [7, 768, 5000])  # 5000: more than one block of columns
@@ -73,7 +58,7 @@ def test_greedy_drafting_with_the_kernels_drafts_what_the_torch_path_drafts(tiny
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 6, 4)]
     _, torch_path = _pair(str(checkpoint), spec, "cpu", eager_capture)
     want, want_proposals, _ = _run(torch_path, _prompts(), params)
-    calls = {"eagle3_input": 0, "argmax_gather": 0, "silu_mul_down": 0}
+    calls = {"eagle3_input": 0, "argmax_gather": 0}
     for name in calls:
         real = getattr(eagle3_kernels, name)
         monkeypatch.setattr(eagle3_kernels, name,
@@ -84,4 +69,3 @@ def test_greedy_drafting_with_the_kernels_drafts_what_the_torch_path_drafts(tiny
     got, proposals, _ = _run(fused, _prompts(), params)
     assert got == want and _same_proposals(proposals, want_proposals)
     assert calls["eagle3_input"] >= K * len(proposals) // 2 and calls["argmax_gather"] > 0
-    assert calls["silu_mul_down"] >= calls["eagle3_input"]
