@@ -14,6 +14,10 @@ A decode or verify step covered by a CUDA graph replays forward, logits and thei
 an all-greedy decode batch without penalties, min_tokens or logprobs then takes the graph's argmax as its
 tokens (one replay, one device -> host copy of the ids), and an all-greedy verify step checks its drafts
 against that argmax; any other batch samples (or rejection-samples) from the graph's logits.
+Inputs: a graph step whose requests all run their newest token plus q - 1 drafts (a decode, a verify step) stages
+each token (or where on the device it waits), each request's start and row in one pinned buffer, copies it once,
+and one kernel writes the graph's buffers (`_prepare_uniform`); any other step fills the buffers in numpy and
+copies each (`_prepare_inputs`), the path `uniform_inputs = False` forces for A/B runs.
 Each stage lives in a sibling module and enters here in one line; keep it that way.
 """
 
