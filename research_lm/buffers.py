@@ -46,6 +46,13 @@ class StepBuffers:
         # PLACEHOLDER inputs: token rows [:h], then the flat index of each one's token in its `DeviceTokens` [h:2h]
         self.holes = CpuGpuBuffer(2 * max_num_tokens, dtype=torch.int64, device=device)
 
+    def copy_block_table(self, num_reqs: int, num_cols: int) -> torch.Tensor:
+        """Copy only the live corner of the block table; kernels read rows through their stride."""
+        bt = self.block_table
+        if bt.gpu is not bt.cpu:
+            bt.gpu[:num_reqs, :num_cols].copy_(bt.cpu[:num_reqs, :num_cols], non_blocking=True)
+        return bt.gpu[:num_reqs]
+
 
 @dataclass
 class DeviceTokens:

@@ -44,6 +44,7 @@ from research_lm.request import PLACEHOLDER, Request
 from research_lm.rng import to_device
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from research_lm.spec import Proposal, Proposer, StepOutcome
+from research_lm.uniform_inputs import UniformInputs, uniform_graph_key
 from research_lm.verification import verify_drafts
 
 
@@ -126,7 +127,7 @@ class ModelRunner:
         self.uniform_inputs = True
         # How many small graphs may replay `_prepare_uniform`'s kernel (0: always launch it; the benchmarks' A/B)
         self.input_graphs = 16
-        self._write_inputs = None  # research_lm.ops.graph_step_inputs.GraphStepInputs, made at the first such step
+        self._uniform: UniformInputs | None = None  # made at the first uniform step
         # Fires when a step's inputs have left the pinned host buffers, which the next step overwrites.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         if proposer is not None and proposer.aux_hidden_state_layers:
@@ -337,7 +338,8 @@ class ModelRunner:
         buf, bs = self.buffers, self.block_size
         if self._inputs_copied is not None:  # the previous step's copies must have left the host buffers
             self._inputs_copied.synchronize()
-        if (key := self._uniform_graph_key(scheduled)) is not None:
+        if (self.uniform_inputs and self.cuda_graphs is not None
+                and (key := uniform_graph_key(self.cuda_graphs, scheduled)) is not None):
             return self._prepare_uniform(scheduled, key)
         num_reqs = len(scheduled)
         tokens: list[int] = []
@@ -393,7 +395,7 @@ class ModelRunner:
             seq_lens=buf.seq_lens.copy_to_gpu(nr)[:num_reqs],
             seq_lens_cpu=buf.seq_lens.cpu[:num_reqs],
             num_computed_tokens_cpu=buf.num_computed.cpu[:num_reqs],
-            block_table=self._copy_block_table(num_reqs, max_blocks),
+            block_table=buf.copy_block_table(num_reqs, max_blocks),
             slot_mapping=buf.slot_mapping.copy_to_gpu(nt)[:t],
             request_rows=buf.request_rows.copy_to_gpu(nr)[:num_reqs],
             num_reqs=num_reqs,
@@ -413,80 +415,30 @@ class ModelRunner:
             self._inputs_copied.record()
         return common, sample_rows, graph_key, logits_indices
 
-    def _uniform_graph_key(self, scheduled: list[ScheduledRequest]) -> tuple[int, int] | None:
-        """The graph of a step in which every request runs its newest token and q - 1 drafts, for the same q
-        the graph was captured with (a decode, q = 1, or a verify step), when `uniform_inputs` is on; else None."""
-        if self.cuda_graphs is None or not self.uniform_inputs:
-            return None
-        q = scheduled[0].num_new_tokens
-        for s in scheduled:
-            req = s.request
-            if s.num_new_tokens != q or len(s.spec_token_ids) != q - 1 or req.num_computed_tokens + 1 != req.num_tokens:
-                return None
-        key = self.cuda_graphs.key_for(len(scheduled), q)
-        return key if key is not None and key[1] == q else None
-
     def _prepare_uniform(
         self, scheduled: list[ScheduledRequest], key: tuple[int, int]
     ) -> tuple[CommonAttentionMetadata, list[tuple[int, int]], tuple[int, int], None]:
-        """`_prepare_inputs` for a step `_uniform_graph_key` accepted: the host stages each token (its value, or
-        where on the device it is), each request's start and row, and n, copies that and the block table, and one
-        kernel (research_lm/ops/graph_step_inputs.py, replayed from a small graph once its key recurs) writes the
-        graph's buffers, padding included."""
-        buf, bs = self.buffers, self.block_size
-        (b, q), n = key, len(scheduled)
-        t = n * q
-        staging, block_table = buf.staging.np, buf.block_table.np
-        source = self._pending[0].pending.tokens if self._pending is not None else self._last_sampled
-        tokens, starts, rows, max_blocks = [], [], [], 0
-        for i, s in enumerate(scheduled):
-            req = s.request
-            last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
-            tokens.append(last)
-            tokens += s.spec_token_ids
-            if tokens[-1] == PLACEHOLDER:  # the request's last `held` tokens are on the device, in order
-                held = tokens[-q:].count(PLACEHOLDER)
-                first = source.first[req.request_id]
-                tokens[-held:] = [-1 - (first + j * source.stride) for j in range(held)]
-            starts.append(req.num_computed_tokens)
-            rows.append(self.rows.add(req.request_id))
-            block_table[i, : len(s.block_ids)] = s.block_ids
-            max_blocks = max(max_blocks, len(s.block_ids))
-        staging[:t] = tokens
-        staging[t : b * q] = 0
-        staging[b * q : b * q + n] = starts
-        staging[b * q + n : b * q + b] = 0
-        staging[b * q + b : b * q + b + n] = rows
-        staging[b * q + b + n : b * q + 2 * b] = -1
-        qsl, computed, seq_lens = buf.query_start_loc.np, buf.num_computed.np, buf.seq_lens.np
-        qsl[: n + 1] = np.arange(0, t + 1, q)
-        computed[:n] = starts
-        np.add(computed[:n], q, out=seq_lens[:n])
-        staging[b * q + 2 * b] = n
-        buf.staging.copy_to_gpu(b * q + 2 * b + 1)
-        block_table_gpu = self._copy_block_table(n, max_blocks)
-        if self._write_inputs is None:
-            from research_lm.ops.graph_step_inputs import GraphStepInputs  # Triton, imported when it runs
-
-            self._write_inputs = GraphStepInputs(buf, bs, max_graphs=self.input_graphs)
-        self._write_inputs(source.ids if source is not None else None, b, q)
+        """`_prepare_inputs` for a uniform step (research_lm/uniform_inputs.py): one staged copy, one kernel."""
+        if self._uniform is None:
+            self._uniform = UniformInputs(self.buffers, self.block_size, max_graphs=self.input_graphs)
+        source = self._held_tokens()
+        common = self._uniform(scheduled, key, source, self.rows)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
-        common = CommonAttentionMetadata(
-            query_start_loc=buf.query_start_loc.gpu[: n + 1], query_start_loc_cpu=buf.query_start_loc.cpu[: n + 1],
-            seq_lens=buf.seq_lens.gpu[:n], seq_lens_cpu=buf.seq_lens.cpu[:n],
-            num_computed_tokens_cpu=buf.num_computed.cpu[:n], block_table=block_table_gpu,
-            slot_mapping=buf.slot_mapping.gpu[:t], request_rows=buf.request_rows.gpu[:n], num_reqs=n,
-            num_tokens=t, max_query_len=q, max_seq_len=max(starts) + q, block_size=bs,
-        )
-        return common, [(i, j) for i in range(n) for j in range(q)], key, None
+        q = key[1]
+        return common, [(i, j) for i in range(len(scheduled)) for j in range(q)], key, None
+
+    def _held_tokens(self) -> DeviceTokens | None:
+        """Where a step's PLACEHOLDER inputs wait on the device: the last proposal's drafts, or else (async
+        scheduling) the last launched step's sampled ids."""
+        return self._pending[0].pending.tokens if self._pending is not None else self._last_sampled
 
     def _fill_holes(self, input_ids: torch.Tensor, holes: np.ndarray, reqs: np.ndarray, qsl: np.ndarray,
                     scheduled: list[ScheduledRequest]) -> None:
         """Copy PLACEHOLDER inputs (token rows `holes` of requests `reqs`) from the device: the last proposal's
         drafts, or else (async scheduling) the last launched step's sampled ids. A request's placeholders are
         the last tokens of its chunk, in order: its j-th is its j-th token there."""
-        source = self._pending[0].pending.tokens if self._pending is not None else self._last_sampled
+        source = self._held_tokens()
         count = np.bincount(reqs, minlength=len(scheduled))
         j = holes - (qsl[1:][reqs] - count[reqs])
         first = [source.first[scheduled[r].request.request_id] for r in reqs.tolist()]
@@ -495,10 +447,3 @@ class ModelRunner:
         buf.np[h : 2 * h] = np.asarray(first, dtype=np.int64) + j * source.stride
         dst_src = buf.copy_to_gpu(2 * h)
         input_ids.index_copy_(0, dst_src[:h], source.ids.index_select(0, dst_src[h:]))
-
-    def _copy_block_table(self, num_reqs: int, num_cols: int) -> torch.Tensor:
-        """Copy only the live corner of the block table; kernels read rows through their stride."""
-        bt = self.buffers.block_table
-        if bt.gpu is not bt.cpu:
-            bt.gpu[:num_reqs, :num_cols].copy_(bt.cpu[:num_reqs, :num_cols], non_blocking=True)
-        return bt.gpu[:num_reqs]

@@ -112,9 +112,10 @@ class GraphStepInputs:
             replay()
             return
         write()  # also compiles the kernel for this key's specialization before any capture
-        self.misses[key] += 1
-        if self.cuda and self.misses[key] > 1 and len(self.graphs) < self.max_graphs:
-            self.graphs[key] = _capture(write)
+        if self.cuda and len(self.graphs) < self.max_graphs:  # once full, fresh keys are no longer counted
+            self.misses[key] += 1
+            if self.misses[key] > 1:
+                self.graphs[key] = _capture(write)
 
 
 def _capture(fn: Callable[[], None]) -> Callable[[], None]:
