@@ -32,7 +32,7 @@ def _normed(x, w_ptr, cols, mask, hidden, eps, dtype: tl.constexpr, out_dtype: t
     return round_to(round_to(x * rstd, dtype) * w, out_dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["ids_ptr"])
 def _eagle3_input_kernel(
     ids_ptr,  # int64 [T]
     emb_ptr,  # [V, H], row stride emb_stride
@@ -86,7 +86,7 @@ def eagle3_input(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["out_ptr"])
 def _argmax_gather_kernel(
     logits_ptr,  # [n, V], row stride logits_stride
     logits_stride,

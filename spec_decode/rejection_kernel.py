@@ -82,7 +82,7 @@ def _any_positive(p_row, q_row, x_rej, V, HAS_Q: tl.constexpr, BLOCK: tl.constex
     return tl.max(seen, 0) > 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def _rejection_kernel(
     target_ptr,  # [rows, V] float32 p
     draft_ptr,  # [drafts, V] float32 q (unused without HAS_Q)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _reshape_and_cache_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_size]
     v_ptr,  # [num_tokens, num_kv_heads, head_size]
@@ -69,10 +69,12 @@ def reshape_and_cache(
         return
     heads_pad = triton.next_power_of_2(num_kv_heads)
     head_pad = triton.next_power_of_2(head_size)
-    # ~4k elements per program on a GPU; the interpreter pays per operation, so it takes more tokens.
-    elems = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 4096
-    block_t = triton.next_power_of_2(max(1, elems // (heads_pad * head_pad)))
-    block_t = min(block_t, triton.next_power_of_2(num_tokens))
+    # ~4k elements per program on a GPU, whatever the token count (a tile that followed it would compile a kernel
+    # per power of 2 mid-run); the interpreter pays per operation, so it takes more tokens and trims the tile.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    block_t = triton.next_power_of_2(max(1, (1 << 16 if interpreted else 4096) // (heads_pad * head_pad)))
+    if interpreted:
+        block_t = min(block_t, triton.next_power_of_2(num_tokens))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _reshape_and_cache_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, k_cache, v_cache, slot_mapping, num_tokens,

@@ -111,7 +111,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]
     q_ptr,  # [num_tokens, num_heads, head_size]
@@ -231,7 +231,7 @@ def _unified_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _reduce_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] fp32

@@ -6,6 +6,11 @@ One file per kernel (`rms_norm`, `rotary`, `silu_and_mul`) holds the kernel and 
 shapes, strides and dtypes; `reference.py` holds the torch code that defines their numbers. tests/ops
 compares the two under the Triton interpreter. Triton is imported only when a kernel first runs.
 
+Compile keys: Triton specializes int arguments on "== 1" and "divisible by 16" and pointers on 16-byte alignment.
+Arguments that change from step to step (token and request counts, offsets into step buffers) are marked
+`do_not_specialize` / `do_not_specialize_on_alignment`, and tile sizes do not follow them, so a new prompt length
+never compiles a kernel mid-run (0.1 s each on a cold cache: PERFORMANCE.md, thirteenth pass).
+
 The switch: modules that can fuse (`RMSNorm`, `RotaryEmbedding`, `GatedMLP` in models/layers.py) carry
 `fused_ops = True` and take the fused path only for CUDA tensors and outside torch.compile (`use_fused`).
 `set_fused_ops(model, False)` puts a model back on the torch path; the engine applies

@@ -63,7 +63,7 @@ def _argmax_combine(v1, i1, v2, i2):
     return tl.where(first, v1, v2), tl.where(first, i1, i2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "splits"], do_not_specialize_on_alignment=["keys_ptr"])
 def _race_kernel(
     probs_ptr,  # [rows, V] float32, columns contiguous
     keys_ptr,  # [rows] int64, rng.row_keys
@@ -101,7 +101,7 @@ def _race_kernel(
         tl.store(value_ptr + row * splits + split, value)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _reduce_splits_kernel(
     value_ptr,  # [rows, splits] float32
     index_ptr,  # [rows, splits] int64

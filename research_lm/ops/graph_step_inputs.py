@@ -29,7 +29,7 @@ from research_lm.ops.common import next_power_of_2
 from research_lm.ops.reference import graph_step_inputs_ref
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["b", "q"], do_not_specialize_on_alignment=["source_ptr"])
 def _graph_step_inputs_kernel(
     staging_ptr, source_ptr, bt_ptr, bt_stride, last_block,
     ids_ptr, pos_ptr, slots_ptr, seq_lens_ptr, qsl_ptr, rows_ptr,
@@ -82,7 +82,7 @@ def graph_step_inputs(
     _graph_step_inputs_kernel[(b,)](
         staging, src, block_table, block_table.stride(0), block_table.shape[1] - 1,
         input_ids, positions, slot_mapping, seq_lens, query_start_loc, request_rows,
-        b, q, block_size, HAS_SOURCE=source is not None, BLOCK_Q=next_power_of_2(q), num_warps=1,
+        b, q, block_size, HAS_SOURCE=source is not None, BLOCK_Q=max(8, next_power_of_2(q)), num_warps=1,
     )
 
 

@@ -47,7 +47,7 @@ def _rotate_heads(
         tl.store(dst + p, tl.load(src + p, mask=pmask, other=0.0), mask=pmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _rotary_kernel(
     q_ptr,
     k_ptr,  # unused without HAS_K
