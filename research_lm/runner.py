@@ -17,7 +17,7 @@ against that argmax; any other batch samples (or rejection-samples) from the gra
 Inputs: a graph step whose requests all run their newest token plus q - 1 drafts (a decode, a verify step) stages
 each token (or where on the device it waits), each request's start and row in one pinned buffer, copies it once,
 and one kernel writes the graph's buffers (`_prepare_uniform`); any other step fills the buffers in numpy and
-copies each (`_prepare_inputs`), the path `uniform_inputs = False` forces for A/B runs.
+copies each (research_lm/step_inputs.py), the path `uniform_inputs = False` forces for A/B runs.
 Each stage lives in a sibling module and enters here in one line; keep it that way.
 """
 
@@ -36,14 +36,14 @@ from research_lm.cuda_graphs import (
     DecodeGraphs,
     cuda_graph_capture,
     default_capture_sizes,
-    pad_step_inputs,
     unsupported_reason,
 )
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from research_lm.request import PLACEHOLDER, Request
+from research_lm.request import Request
 from research_lm.rng import to_device
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from research_lm.spec import Proposal, Proposer, StepOutcome
+from research_lm.step_inputs import prepare_step_inputs
 from research_lm.uniform_inputs import UniformInputs, uniform_graph_key
 from research_lm.verification import verify_drafts
 
@@ -331,89 +331,20 @@ class ModelRunner:
         """Fill the step buffers and copy them to the device; return the attention record, (request index,
         draft offset) per row to sample (one row for a decode, k+1 for verified drafts, none for a mid-prompt
         chunk), the CUDA graph that will replay the step (its inputs are then padded to its size), and the
-        token row of each sampled row on the device (None when every token row is sampled: arange).
-
-        Host cost grows with the batch (256 decodes on every step of a throughput run), so the per-request
-        loop only gathers lists; positions, slots and sample rows are computed in whole-batch numpy."""
-        buf, bs = self.buffers, self.block_size
+        token row of each sampled row on the device (None when every token row is sampled: arange). A uniform
+        step takes `_prepare_uniform`, any other research_lm/step_inputs.py's general path."""
         if self._inputs_copied is not None:  # the previous step's copies must have left the host buffers
             self._inputs_copied.synchronize()
         if (self.uniform_inputs and self.cuda_graphs is not None
                 and (key := uniform_graph_key(self.cuda_graphs, scheduled)) is not None):
             return self._prepare_uniform(scheduled, key)
-        num_reqs = len(scheduled)
-        tokens: list[int] = []
-        num_new = np.empty(num_reqs, dtype=np.int64)
-        starts = np.empty(num_reqs, dtype=np.int64)
-        num_drafts = np.empty(num_reqs, dtype=np.int64)
-        samples = np.empty(num_reqs, dtype=bool)  # the chunk reaches the newest token: sample it
-        block_table = buf.block_table.np
-        max_blocks = 0
-        for i, s in enumerate(scheduled):
-            req, n, drafts = s.request, s.num_new_tokens, s.spec_token_ids
-            start = req.num_computed_tokens
-            num_real = n - len(drafts)
-            tokens += req.token_ids_slice(start, start + num_real)
-            tokens += drafts
-            num_new[i], starts[i], num_drafts[i] = n, start, len(drafts)
-            samples[i] = start + num_real >= req.num_tokens
-            block_table[i, : len(s.block_ids)] = s.block_ids
-            max_blocks = max(max_blocks, len(s.block_ids))
-            buf.request_rows.np[i] = self.rows.add(req.request_id)
-        qsl = buf.query_start_loc.np[: num_reqs + 1]
-        qsl[0] = 0
-        np.cumsum(num_new, out=qsl[1:])
-        t = int(qsl[-1])
-        req_of_token = np.repeat(np.arange(num_reqs), num_new)  # [t]
-        positions = np.arange(t) - np.repeat(qsl[:-1] - starts, num_new)  # [t]: start .. start + n per request
-        buf.input_ids.np[:t] = tokens
-        buf.positions.np[:t] = positions
-        blocks = block_table[req_of_token, positions // bs].astype(np.int64)
-        np.add(blocks * bs, positions % bs, out=buf.slot_mapping.np[:t])
-        buf.seq_lens.np[:num_reqs] = starts + num_new
-        buf.num_computed.np[:num_reqs] = starts
-        # Sampled rows: the last real token and each draft of every sampling request, in token order.
-        sampling = np.flatnonzero(samples)
-        num_rows = num_drafts[sampling] + 1
-        req_of_row = np.repeat(sampling, num_rows)
-        offset = np.arange(len(req_of_row)) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
-        logits_idx = qsl[1:][req_of_row] - np.repeat(num_drafts[sampling], num_rows) - 1 + offset
-        buf.logits_indices.np[: len(logits_idx)] = logits_idx
-        sample_rows = list(zip(req_of_row.tolist(), offset.tolist(), strict=True))
-        # Tokens still on the device (async scheduling): take them from the last launched step's ids.
-        holes = np.flatnonzero(buf.input_ids.np[:t] == PLACEHOLDER)
-        buf.input_ids.np[holes] = 0
-        max_query_len = int(num_new.max())
-        graph_key = self.cuda_graphs.key_for(num_reqs, max_query_len) if self.cuda_graphs is not None else None
-        nr, nt = num_reqs, t  # rows to copy: the step's, or the padded graph batch's
-        if graph_key is not None:
-            nr, nt = graph_key[0], graph_key[0] * graph_key[1]
-            pad_step_inputs(buf, num_reqs, t, nr, nt)
-        common = CommonAttentionMetadata(
-            query_start_loc=buf.query_start_loc.copy_to_gpu(nr + 1)[: num_reqs + 1],
-            query_start_loc_cpu=buf.query_start_loc.cpu[: num_reqs + 1],
-            seq_lens=buf.seq_lens.copy_to_gpu(nr)[:num_reqs],
-            seq_lens_cpu=buf.seq_lens.cpu[:num_reqs],
-            num_computed_tokens_cpu=buf.num_computed.cpu[:num_reqs],
-            block_table=buf.copy_block_table(num_reqs, max_blocks),
-            slot_mapping=buf.slot_mapping.copy_to_gpu(nt)[:t],
-            request_rows=buf.request_rows.copy_to_gpu(nr)[:num_reqs],
-            num_reqs=num_reqs,
-            num_tokens=t,
-            max_query_len=max_query_len,
-            max_seq_len=int(buf.seq_lens.np[:num_reqs].max()),
-            block_size=bs,
-        )
-        input_ids = buf.input_ids.copy_to_gpu(nt)
-        buf.positions.copy_to_gpu(nt)
-        logits_indices = None
-        if len(logits_idx) < t:
-            logits_indices = buf.logits_indices.copy_to_gpu(len(logits_idx))
-        if len(holes):
-            self._fill_holes(input_ids, holes, req_of_token[holes], qsl, scheduled)
+        step = prepare_step_inputs(self.buffers, scheduled, self.rows, self.block_size, self.cuda_graphs)
+        if len(step.holes):
+            qsl = self.buffers.query_start_loc.np[: len(scheduled) + 1]
+            self._fill_holes(self.buffers.input_ids.gpu, step.holes, step.hole_reqs, qsl, scheduled)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
-        return common, sample_rows, graph_key, logits_indices
+        return step.common, step.sample_rows, step.graph_key, step.logits_indices
 
     def _prepare_uniform(
         self, scheduled: list[ScheduledRequest], key: tuple[int, int]
