@@ -37,6 +37,9 @@ class EngineConfig:
     # attention backend allow it; elsewhere steps run eagerly (a warning names why, on CUDA).
     cuda_graphs: bool = True
     cuda_graph_sizes: list[int] | None = None  # padded batch sizes to capture; None: 1, 2, 4, 8, 16, ... max_num_seqs
+    # Prompt lengths of batch-1 prefill graphs (one request's prompt or chunk, padded to the next size; with the
+    # backends that allow multi-token graphs). None: 16, 32, 64, ... 512 up to max_num_batched_tokens; []: none.
+    prefill_graph_sizes: list[int] | None = None
     # Triton kernels for RMSNorm(+residual), rotary and SiLU*mul on CUDA (research_lm.ops); off: the torch path.
     fused_ops: bool = True
     # The model forward through torch.compile (inductor, dynamic shapes; attention stays eager; composes with
@@ -69,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.cuda_graph_sizes is not None and not all(int(s) >= 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
+        if self.prefill_graph_sizes is not None and not all(int(s) >= 1 for s in self.prefill_graph_sizes):
+            raise ValueError(f"prefill_graph_sizes must be positive prompt lengths, got {self.prefill_graph_sizes}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), got {self.num_gpu_blocks}")
 

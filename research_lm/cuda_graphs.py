@@ -5,19 +5,24 @@ A decode step of n requests runs the graph captured for the smallest size B >= n
 With a proposer of k drafts, graphs of query length q = k + 1 are captured too (where every attention
 backend declares `cuda_graphs_multi_token`): a step whose longest query is 2 .. q tokens (a verify step,
 requests with fewer drafts, short prompt chunks riding along) runs the graph of the smallest B >= n,
-its B * q token rows holding the step's T <= n * q tokens. Longer prefills, and batches larger than the
-largest size, run eagerly. A graph holds the model forward and, given `compute_logits`, the logits of
-every token row and their argmax:
+its B * q token rows holding the step's T <= n * q tokens. Batches larger than the largest size run
+eagerly, and so do longer prefills, except one request's prompt (or chunk) of at most max(prefill_sizes)
+tokens: it replays a prefill graph of B = 1 and q = Q, the smallest of `prefill_sizes` that holds it (16,
+32, 64, ... 512 by default). Eager, a prefill step of an 8-layer Llama is ~80 launches whose host cost
+(4-6 ms on the H200's host) is ~10x its kernels' at batch 1. A graph holds the model forward and, given
+`compute_logits`, the logits of every token row and their argmax:
 
     hidden = model(input_ids[:B*q], positions[:B*q])    # [B*q, hidden]
     logits[:B*q] = compute_logits(hidden)               # [B*q, vocab] fp32, a persistent buffer
     greedy_ids[:B*q] = logits[:B*q].argmax(-1)          # [B*q] int64, a persistent buffer
 
-When every token of the step is sampled (a decode, or a verify step: the k + 1 rows of each request),
-the runner hands logits[:T] to the sampler or the rejection sampler, or, when the sampler would return
-argmax(raw logits) anyway (`SamplingBatch.argmax_only`: all greedy, no penalty, min_tokens ban or
-logprobs), takes greedy_ids[:T] directly: such a decode step is one replay and one device -> host copy
-of n token ids. Otherwise it gathers the sampled rows from the graph's logits.
+Prefill graphs hold the forward alone: such a step samples one row of Q, whose logits the runner
+computes from the graph's hidden states. When every token of the step is sampled (a decode, or a verify
+step: the k + 1 rows of each request), the runner hands logits[:T] to the sampler or the rejection
+sampler, or, when the sampler would return argmax(raw logits) anyway (`SamplingBatch.argmax_only`: all
+greedy, no penalty, min_tokens ban or logprobs), takes greedy_ids[:T] directly: such a decode step is one
+replay and one device -> host copy of n token ids. Otherwise it gathers the sampled rows from the graph's
+logits.
 
 Memory: the two buffers are sized by the largest captured B * q, max(B * q) x vocab x 4 bytes of
 logits (256 MB for 512 x 128k) plus max(B * q) x 8 bytes of ids; the capture pool also keeps the
@@ -59,6 +64,12 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, then every multiple of 8 (vLLM's default), up to and including max_num_seqs."""
     sizes = [s for s in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) if s <= max_num_seqs]
     return sorted({*sizes, max_num_seqs})
+
+
+def default_prefill_sizes(max_num_tokens: int) -> list[int]:
+    """Prompt lengths of the batch-1 prefill graphs: 16, 32, 64, 128, 256, 512, up to max_num_tokens (padding
+    a prompt at most doubles its tokens; longer prompts, and chunks past 512, run eagerly)."""
+    return [s for s in (16, 32, 64, 128, 256, 512) if s <= max_num_tokens]
 
 
 def unsupported_reason(model: torch.nn.Module, backends: Sequence[Any], device: torch.device) -> str | None:
@@ -178,7 +189,8 @@ class DecodeGraphs:
 
     query_lens: 1 (decode) and, for spec decoding, k + 1 (verification). compute_logits ([n, hidden] ->
     [n, vocab] fp32) and vocab_size, both or neither: with them the graphs also fill `logits` and
-    `greedy_ids`; without, they hold the forward only."""
+    `greedy_ids`; without, they hold the forward only. prefill_sizes: query lengths captured at B = 1 for
+    one request's prompt or chunk, always forward only (`prefill` lists the captured ones)."""
 
     def __init__(
         self,
@@ -192,6 +204,7 @@ class DecodeGraphs:
         query_lens: Sequence[int] = (1,),
         compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
         vocab_size: int | None = None,
+        prefill_sizes: Sequence[int] = (),
         capture: Capture = cuda_graph_capture,
     ):
         assert (compute_logits is None) == (vocab_size is None), "compute_logits needs vocab_size"
@@ -202,6 +215,8 @@ class DecodeGraphs:
             fit = sorted(s for s in set(sizes) if 1 <= s <= buffers.max_num_reqs and s * q <= buffers.max_num_tokens)
             if fit:
                 self.sizes[q] = fit
+        longest = max(self.sizes, default=1)
+        self.prefill = sorted(q for q in set(prefill_sizes) if longest < q <= buffers.max_num_tokens)
         self.addresses: dict[tuple[int, int], dict[str, int]] = {}  # (B, q) -> buffer addresses at capture
         self._replay: dict[tuple[int, int], Callable[[], Outputs]] = {}
         self.compute_logits = compute_logits
@@ -214,6 +229,7 @@ class DecodeGraphs:
             self.logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
             self.greedy_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         pool = torch.cuda.graph_pool_handle() if capture is cuda_graph_capture else None
+        keys = sorted(keys + [(1, q) for q in self.prefill], key=lambda k: k[0] * k[1])
         for b, q in reversed(keys):  # largest first: the smaller ones reuse its pool memory
             self._replay[b, q] = self._capture_one(model, backends, b, q, block_size, max_seq_len, capture, pool)
 
@@ -234,9 +250,11 @@ class DecodeGraphs:
         metadata = {backend.name: backend.build_metadata(common) for backend in backends}
         input_ids, positions = buf.input_ids.gpu[:t], buf.positions.gpu[:t]
 
+        logits_too = self.compute_logits is not None and q not in self.prefill
+
         def step() -> Outputs:
             out = model(input_ids, positions, metadata)
-            if self.compute_logits is not None:
+            if logits_too:
                 hidden = out[0] if isinstance(out, tuple) else out  # [t, hidden]
                 logits = self.logits[:t]
                 logits.copy_(self.compute_logits(hidden))  # the buffer: every graph writes it
@@ -245,7 +263,7 @@ class DecodeGraphs:
 
         replay = capture(step, pool)
         self.addresses[b, q] = buffer_addresses(buf, common)
-        if self.logits is not None:
+        if logits_too:
             self.addresses[b, q] |= {"logits": self.logits.data_ptr(), "greedy_ids": self.greedy_ids.data_ptr()}
         return replay
 
@@ -254,14 +272,15 @@ class DecodeGraphs:
         runs eagerly.
 
         Query length 1 serves pure decode only (its launch plan is the decode one); a longer one
-        serves any step whose queries are at most that long."""
+        serves any step whose queries are at most that long, and a prefill graph one request's."""
         need = max_query_len
         for q, sizes in self.sizes.items():
             if q == need or (need > 1 and q > need):
                 i = bisect.bisect_left(sizes, num_reqs)
                 if i < len(sizes):
                     return sizes[i], q
-        return None
+        i = bisect.bisect_left(self.prefill, need)
+        return (1, self.prefill[i]) if num_reqs == 1 and i < len(self.prefill) else None
 
     def padded_size(self, common: CommonAttentionMetadata) -> tuple[int, int] | None:
         return self.key_for(common.num_reqs, common.max_query_len)
@@ -287,6 +306,6 @@ class DecodeGraphs:
         `_prepare_inputs` does both): token rows 0 .. num_tokens of the outputs, valid until the next replay."""
         t = num_tokens
         out = _head(self._replay[key](), t)
-        if self.logits is None:
+        if self.logits is None or key[1] in self.prefill:
             return GraphStep(out, None, None)
         return GraphStep(out, self.logits[:t], self.greedy_ids[:t])

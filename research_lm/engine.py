@@ -86,7 +86,7 @@ class LLMEngine:
             self.num_blocks = self.ep.agree_min(self.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks, dtype)
         capture = config.cuda_graphs and device.type == "cuda"  # CPU runs are always eager
-        if capture and (reason := self.runner.capture_cuda_graphs(config.cuda_graph_sizes)):
+        if capture and (reason := self.runner.capture_cuda_graphs(config.cuda_graph_sizes, config.prefill_graph_sizes)):
             logger.warning("CUDA graphs are off: %s; every step runs eagerly", reason)
         # after the KV sizing (its profiling forward must not count as expert load)
         self.eplb = build_eplb_controller(self.model, config.eplb_config)

@@ -207,6 +207,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         mamba_backend=cfg.attention.get("mamba_backend", "mamba_torch_ref"),
         eplb_config=OmegaConf.to_container(cfg.eplb, resolve=True) if "eplb" in cfg else None,
         cuda_graphs=r.get("cuda_graphs", True), cuda_graph_sizes=_list_or_none(r.get("cuda_graph_sizes")),
+        prefill_graph_sizes=_list_or_none(r.get("prefill_graph_sizes")),
         fused_ops=r.get("fused_ops", True), compile=r.get("compile", False),
         async_scheduling=r.get("async_scheduling"),
         load_format=m.get("load_format", "auto"),

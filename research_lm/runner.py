@@ -33,9 +33,12 @@ from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.buffers import DeviceTokens, HostIds, StepBuffers
 from research_lm.compilation import compile_forward
 from research_lm.cuda_graphs import (
+    Capture,
     DecodeGraphs,
     cuda_graph_capture,
     default_capture_sizes,
+    default_prefill_sizes,
+    uncapturable_reason,
     unsupported_reason,
 )
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -149,25 +152,35 @@ class ModelRunner:
                 dtype=dtype, device=self.device,
             )
 
-    def capture_cuda_graphs(self, sizes: list[int] | None = None) -> str | None:
+    def capture_cuda_graphs(self, sizes: list[int] | None = None, prefill_sizes: list[int] | None = None,
+                            capture: Capture = cuda_graph_capture) -> str | None:
         """Capture decode graphs (forward, logits, argmax) over the KV cache (allocated, and never again
-        after), verify graphs of k + 1 tokens per request with a proposer whose backends allow it, and
-        the proposer's own draft graphs; None, or why not."""
-        reason = unsupported_reason(self.model, self.backends, self.device)
+        after), verify graphs of k + 1 tokens per request with a proposer whose backends allow it, batch-1
+        prefill graphs (forward only) where they allow it too, and the proposer's own draft graphs (with its
+        prefill ones); None, or why not. prefill_sizes None: `default_prefill_sizes`; [] captures none."""
+        if capture is cuda_graph_capture:
+            reason = unsupported_reason(self.model, self.backends, self.device)
+        else:  # a stand-in capture (tests: `eager_capture` on CPU) needs no CUDA device
+            reason = uncapturable_reason(self.model, self.backends)
         if reason is not None:
             return reason
         sizes = sizes or default_capture_sizes(self.max_num_seqs)
         query_lens = [1]
-        if self.proposer is not None and all(b.capabilities.cuda_graphs_multi_token for b in self.backends):
+        multi_token = all(b.capabilities.cuda_graphs_multi_token for b in self.backends)
+        if self.proposer is not None and multi_token:
             query_lens.append(self.proposer.num_speculative_tokens + 1)
+        if prefill_sizes is None:
+            prefill_sizes = default_prefill_sizes(self.buffers.max_num_tokens)
+        prefill_sizes = list(prefill_sizes) if multi_token else []
         self.cuda_graphs = DecodeGraphs(
             self.forward, self.buffers, self.backends, sizes=sizes, query_lens=query_lens,
             block_size=self.block_size, max_seq_len=self.max_model_len,
-            compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
+            compute_logits=self.model.compute_logits, vocab_size=self.vocab_size, prefill_sizes=prefill_sizes,
+            capture=capture,
         )
         capture_drafts = getattr(self.proposer, "capture_cuda_graphs", None)
         if capture_drafts is not None:
-            capture_drafts(sizes=sizes, capture=cuda_graph_capture, block_size=self.block_size,
+            capture_drafts(sizes=sizes, prefill_sizes=prefill_sizes, capture=capture, block_size=self.block_size,
                            max_blocks_per_req=self.buffers.block_table.gpu.shape[1],
                            verified_inputs=None if self.cuda_graphs.greedy_ids is None
                            else (self.cuda_graphs.greedy_ids, self.buffers.input_ids.gpu))

@@ -56,8 +56,12 @@ with the torch code in `_draft_fn`, which is the kernel's reference.
 
 Used when a pick rule serves every drafting request (no penalties or min_tokens ban; with sampling no
 top-k, top-p or min-p; logprobs do not matter, drafts never return them) and the batch fits the largest
-size; otherwise the proposer drafts eagerly. An entry longer than q rows (a prompt, or a prompt chunk) is
-`split`: the proposer runs its first rows eagerly (they only write the drafter's KV) and the graph the last q.
+size; otherwise the proposer drafts eagerly. One request's prompt (or chunk) of at most max(prefill_sizes)
+rows replays a prompt graph of B = 1 and q = P, the smallest prefill size that holds it (the runner passes its
+own: 16 .. 512): an eager entry over ~150 prompt rows cost the host ~4 ms at batch 1 on the H200's host, against
+~0.1 ms of kernels. An entry longer than the graphs serve (a longer prompt, or a prompt chunk beside other
+requests) is `split`: the proposer runs its first rows eagerly (they only write the drafter's KV) and the graph
+the last ones.
 Not captured at all for a drafter with a layer that syncs with the host in forward
 (`research_lm.cuda_graphs.uncapturable_reason`; the runner checks only the target), and the entry is
 captured with q = 1 only where an attention backend lacks `cuda_graphs_multi_token`. The attention launch
@@ -145,20 +149,27 @@ class DraftGraphs:
         # The target's argmax and input-id buffers (1-D int64, the verify graphs' and the runner's), which a
         # "verified" graph then reads in place; None (or too short): it reads copies in its own buffers
         verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        # Entry lengths of one request's prompt graphs (B = 1, "argmax" and "sample"): a prompt of at most
+        # max(prefill_sizes) rows replays the smallest that holds it, with no eager catch-up.
+        prefill_sizes: Sequence[int] = (),
     ):
         self.k, self.vocab_size, self.block_size = num_speculative_tokens, vocab_size, block_size
         self.query_len = query_len
         self.sizes = sorted(s for s in set(sizes) if s >= 1)
+        self.prefill = sorted(p for p in set(prefill_sizes) if p > query_len)
         a, q = self.sizes[-1], query_len
+        layouts = [_Layout(b, q) for b in self.sizes] + [_Layout(1, p) for p in self.prefill]
+        largest = max(layouts, key=lambda lay: lay.size)
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
-        self.staging = torch.zeros(_Layout(a, q).size, **i64)
+        self.staging = torch.zeros(largest.size, **i64)
         pin = device.type == "cuda"  # the host side of the one copy each way, without a sync
-        self.staging_host = torch.zeros(_Layout(a, q).size, dtype=torch.int64, pin_memory=pin)
-        self.features = torch.zeros(a * q, features[0], dtype=features[1], device=device) if features else None
+        self.staging_host = torch.zeros(largest.size, dtype=torch.int64, pin_memory=pin)
+        rows = largest.t
+        self.features = torch.zeros(rows, features[0], dtype=features[1], device=device) if features else None
         self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
         self.entry_qsl, self.entry_seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)
-        self.entry_slots = torch.full((a * q,), -1, **i64)
+        self.entry_slots = torch.full((rows,), -1, **i64)
         steps = max(self.k - 1, 1)  # chain step j = 1 .. k-1 reads row j - 1 of these
         self.positions = torch.zeros(steps, a, **i64)
         self.query_start_loc, self.seq_lens = torch.zeros(a + 1, **i32), torch.zeros(steps, a, **i32)
@@ -181,16 +192,16 @@ class DraftGraphs:
         fits = verified_inputs is not None and min(len(v) for v in verified_inputs) >= a * q
         self.verified_in_place = fits
         self.verified = tuple(verified_inputs) if fits else tuple(torch.zeros(2, a * q, **i64).unbind(0))
-        self._replay: dict[tuple[int, str], Callable[[], Any]] = {}  # (size, rule) -> replay
+        self._replay: dict[tuple[_Layout, str], Callable[[], Any]] = {}  # (layout, rule) -> replay
         self._entry, self._step, self._logits, self._argmax = entry, step, logits, argmax
         self._backends = {layer.backend.name: layer.backend for layer in layers}
         self._max_seq_len = max_seq_len
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         rules = ("argmax", "sample", "verified") if self.drafts_verified else ("argmax", "sample")
-        for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            for rule in rules:
-                self._fill_for_capture(_Layout(size, q))
-                self._replay[size, rule] = capture(self._draft_fn(_Layout(size, q), rule), pool)
+        for lay in sorted(layouts, key=lambda lay: -lay.t):  # largest first: the smaller ones reuse its pool memory
+            for rule in rules if lay.q == q else rules[:2]:
+                self._fill_for_capture(lay)
+                self._replay[lay, rule] = capture(self._draft_fn(lay, rule), pool)
 
     def _record(self, qsl, seq_lens, slots, num_reqs: int, num_tokens: int, max_query_len: int) -> dict[str, Any]:
         """Each backend's metadata over these buffers, built once at capture."""
@@ -229,7 +240,8 @@ class DraftGraphs:
         seeds, out_pos, greedy_in = (st[lay.request(i)] for i in (5, 6, 7))
         sampled = rule == "sample"
         offset = self.entry_offsets
-        verified = tuple(v[:t].view(b, lay.q) for v in self.verified)  # "verified": argmax g, input x per request
+        # "verified": the argmax g and input x per request
+        verified = tuple(v[:t].view(b, lay.q) for v in self.verified) if rule == "verified" else None
         temperature, probs = self.temperature[:b], self.probs[:b]
         entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
         features = None if self.features is None else self.features[:t]
@@ -315,16 +327,27 @@ class DraftGraphs:
         i = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
+    def entry_limit(self, num_reqs: int) -> int:
+        """The most entry rows a request of a step with num_reqs entry requests can have in a graph."""
+        return self.prefill[-1] if num_reqs == 1 and self.prefill else self.query_len
+
+    def _layout(self, num_reqs: int, longest: int) -> _Layout:
+        if longest <= self.query_len:
+            return _Layout(self.padded_size(num_reqs), self.query_len)
+        return _Layout(1, self.prefill[bisect.bisect_left(self.prefill, longest)])
+
     def serves(self, num_reqs: int) -> bool:
         """Does a graph fit a step with this many entry requests (after `split` of the long entries)?"""
         return self.padded_size(num_reqs) is not None
 
     def split(self, lens: Sequence[int], *rows: Sequence[int]) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """Entries longer than q rows (a prompt, or a prompt chunk) do not fit the graph: their first n - q rows
-        only write the drafter's KV, so the proposer runs them eagerly first and the graph the last q.
-        rows: flat per-row lists (request by request, `lens` rows each). Returns (rows cut from each request,
-        n - q or 0; each list's cut rows; each list's rows left for the graph: the last min(n, q) per request)."""
-        cut = [max(0, n - self.query_len) for n in lens]
+        """Entries longer than the graphs' L = `entry_limit` rows (a prompt past the prefill graphs, or a prompt
+        chunk beside other requests) do not fit: their first n - L rows only write the drafter's KV, so the
+        proposer runs them eagerly first and the graph the last L. rows: flat per-row lists (request by request,
+        `lens` rows each). Returns (rows cut from each request, n - L or 0; each list's cut rows; each list's
+        rows left for the graph: the last min(n, L) per request)."""
+        limit = self.entry_limit(len(lens))
+        cut = [max(0, n - limit) for n in lens]
         ends = np.cumsum(lens, dtype=np.int64).tolist()
         spans = list(zip(ends, lens, cut, strict=True))
         early = [[x for e, n, c in spans for x in flat[e - n : e - n + c]] for flat in rows]
@@ -350,9 +373,9 @@ class DraftGraphs:
         """Replay the step's graph. Request r's drafts 1 .. budget stay in `drafts[:, r]` until the next replay
         (`pending` hands them out), their copy to the host under way."""
         n, num_tokens = len(lens), sum(lens)
-        size = self.padded_size(n)
-        assert size is not None and max(lens) <= self.query_len and (features is None) == (self.features is None)
-        lay = _Layout(size, self.query_len)
+        assert self.serves(n) and max(lens) <= self.entry_limit(n) and (features is None) == (self.features is None)
+        lay = self._layout(n, max(lens))
+        size = lay.b
         lens_np = np.asarray(lens, dtype=np.int64)
         ends = np.cumsum(lens_np)
         # The last replay's staging copy finished before its drafts were verified, which preceded this call.
@@ -399,7 +422,7 @@ class DraftGraphs:
                 if src.data_ptr() != dst.data_ptr():  # the graph reads dst: the target's own buffer, or a copy
                     dst[:num_tokens].copy_(src)
             rule = "verified"
-        self._replay[size, rule]()
+        self._replay[lay, rule]()
         self.drafts_host.copy_(self.drafts, non_blocking=True)  # all of it: one contiguous copy
         if self.drafts_copied is not None:
             self.drafts_copied.record()

@@ -18,6 +18,7 @@ at the target's slot for p. Each step, per request:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -127,7 +128,8 @@ class DraftModelProposer:
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
-                            verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                            verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache
         (`verified_inputs` go unread: a draft model's entry starts below the verified tokens, so it never drafts
         before verification)."""
@@ -145,6 +147,7 @@ class DraftModelProposer:
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
             max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
             features=None, device=next(self.model.parameters()).device, capture=capture,
+            prefill_sizes=prefill_sizes if multi_token else (),
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

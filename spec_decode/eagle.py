@@ -31,7 +31,7 @@ EAGLE-3 (`yuhuili/EAGLE3-*`; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, vLLM 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -387,7 +387,8 @@ class EagleProposer:
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
-                            verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                            verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
         "verified" ones read the target's argmax and input ids in place where the runner hands their buffers over."""
         backends = [layer.backend for layer in self.cache_layers]
@@ -404,6 +405,7 @@ class EagleProposer:
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
             max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
             features=(width, fc.dtype), device=fc.device, capture=capture, verified_inputs=verified_inputs,
+            prefill_sizes=prefill_sizes if multi_token else (),
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

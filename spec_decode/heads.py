@@ -266,8 +266,9 @@ class Drafting:
         feature_rows: list[int] | None = None,  # EAGLE: each entry row's row in the target step
         features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # EAGLE: `DraftGraphs.run`'s
     ) -> None:
-        """Draft the whole step from `graphs`. Entries longer than the graph's q rows (prompts) first write the
-        drafter's KV for all but their last q rows through `catch_up`, eagerly (`DraftGraphs.split`)."""
+        """Draft the whole step from `graphs`. Entries longer than the graphs serve (prompts past the prompt
+        graphs, chunks beside other requests) first write the drafter's KV for all but their last rows through
+        `catch_up`, eagerly (`DraftGraphs.split`)."""
         cut, early, kept = graphs.split(lens, *([tokens] if feature_rows is None else [tokens, feature_rows]))
         if any(cut):
             long = [i for i, c in enumerate(cut) if c]

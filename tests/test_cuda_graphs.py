@@ -21,6 +21,7 @@ from research_lm.cuda_graphs import (
     DecodeGraphs,
     buffer_addresses,
     default_capture_sizes,
+    default_prefill_sizes,
     eager_capture,
     graph_metadata,
     pad_step_inputs,
@@ -101,6 +102,31 @@ def test_verify_graphs_serve_queries_up_to_their_length_within_the_token_budget(
     too_long = graph_metadata(buf, 1, 16, 64, query_len=5)
     assert graphs.padded_size(too_long) is None
     assert graphs.padded_size(graph_metadata(buf, 5, 16, 64, query_len=3)) is None  # 8 x 4 > 16 tokens
+
+
+def test_prefill_graphs_serve_one_request_up_to_their_length():
+    """Prefill sizes longer than every uniform graph's query and within the token budget are captured at B = 1:
+    one request's prompt or chunk replays the smallest that holds it, forward only (no logits); several
+    requests, or a longer prompt, run eagerly; decode and verify steps keep their graphs."""
+    assert default_prefill_sizes(2048) == [16, 32, 64, 128, 256, 512] and default_prefill_sizes(40) == [16, 32]
+    buf = StepBuffers(max_num_tokens=32, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
+    vocab = 10
+    graphs = DecodeGraphs(_Recorder(), buf, [], sizes=[1, 2, 4], query_lens=[1, 4], block_size=16, max_seq_len=64,
+                          compute_logits=lambda h: h.expand(-1, vocab), vocab_size=vocab,
+                          prefill_sizes=[4, 8, 16, 32, 64], capture=eager_capture)
+    assert graphs.prefill == [8, 16, 32]  # 4: the verify graphs' length; 64: past the budget
+    assert sorted(graphs.addresses) == [(1, 1), (1, 4), (1, 8), (1, 16), (1, 32), (2, 1), (2, 4), (4, 1), (4, 4)]
+    assert graphs.logits.shape == (16, vocab)  # sized by the uniform graphs (4 x 4), not the prefill ones
+    assert all("logits" not in graphs.addresses[1, q] for q in graphs.prefill)
+    assert [graphs.key_for(1, n) for n in (1, 3, 4, 5, 8, 9, 17, 32, 33)] == \
+        [(1, 1), (1, 4), (1, 4), (1, 8), (1, 8), (1, 16), (1, 32), (1, 32), None]
+    assert graphs.key_for(2, 5) is None and graphs.key_for(3, 4) == (4, 4)
+    buf.input_ids.np[:5] = [5, 6, 7, 8, 9]
+    buf.query_start_loc.np[:2] = [0, 5]
+    common = graph_metadata(buf, 1, 16, 64)
+    common.num_tokens, common.max_query_len = 5, 5
+    step = graphs.run(common)
+    assert step.out.flatten().tolist() == [5, 6, 7, 8, 9] and step.logits is None and step.greedy_ids is None
 
 
 def test_verify_replay_pads_tokens_and_requests():
@@ -274,6 +300,35 @@ def test_padded_replay_matches_eager_on_cpu(cpu_llms):
     assert run.replays == 5  # decode steps: 1 at batch 3 (padded to 4), 2 at 2, 2 at 1
     assert run.sampled == 1  # the prefill step
     assert all(a == llm.engine.runner.cuda_graphs.addresses[4, 1] for a in run.addresses)
+
+
+@cpu_only
+def test_prefill_graphs_match_eager_on_cpu(tiny_checkpoint):
+    """One request at a time, as at batch 1: prompts of 5 and 13 tokens replay the (1, 8) and (1, 16) prefill
+    graphs (the runner's capture, with the re-run stand-in), a 30-token prompt runs eagerly, and a prompt cut
+    into chunks (max_num_batched_tokens 16) replays one graph per chunk; the tokens are the eager ones."""
+    knobs = dict(CPU_KNOBS, max_num_seqs=1)
+    path = str(tiny_checkpoint("llama"))
+    eager, llm = LLM(path, **knobs), LLM(path, **knobs)
+    runner = llm.engine.runner
+    assert runner.capture_cuda_graphs([1], prefill_sizes=[8, 16], capture=eager_capture) is None
+    assert runner.cuda_graphs.prefill == [8, 16]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(eager.engine.info.vocab_size, (n,), generator=g).tolist() for n in (5, 13, 30)]
+    params = _params([4, 3, 3])
+    keys = []
+    replay = runner.cuda_graphs.replay
+    runner.cuda_graphs.replay = lambda key, n: keys.append(key) or replay(key, n)
+    assert _eager_tokens(llm, prompts, params) == _eager_tokens(eager, prompts, params)
+    assert keys.count((1, 8)) == 1 and keys.count((1, 16)) == 1 and keys.count((1, 1)) == 3 + 2 + 2
+    chunked = LLM(path, **dict(knobs, max_num_batched_tokens=16))
+    runner = chunked.engine.runner
+    runner.capture_cuda_graphs([1], prefill_sizes=[8, 16], capture=eager_capture)
+    keys.clear()
+    replay = runner.cuda_graphs.replay
+    runner.cuda_graphs.replay = lambda key, n: keys.append(key) or replay(key, n)
+    assert _eager_tokens(chunked, prompts[2:], params[2:]) == _eager_tokens(eager, prompts[2:], params[2:])
+    assert keys == [(1, 16), (1, 16), (1, 1), (1, 1)]  # chunks of 16 + 14 tokens, then 2 decodes
 
 
 @cpu_only

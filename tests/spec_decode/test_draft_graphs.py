@@ -117,6 +117,40 @@ def test_graph_chain_drafts_what_the_eager_chain_drafts(kind, tiny_checkpoint, t
     assert any(len(d) < K for p, _ in proposals for d in p.values() if d)  # budgets below k were cut
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+@pytest.mark.parametrize("kind,sampled", [("eagle3", False), ("eagle", False), ("draft_model", False),
+                                           ("eagle3", True)])
+def test_prompts_enter_through_prompt_graphs_without_an_eager_catch_up(kind, sampled, tiny_checkpoint, tmp_path):
+    """One request at a time (batch 1): prompts of 5, 9 and 14 tokens enter whole through the (1, 8) and (1, 16)
+    prompt graphs, nothing caught up eagerly; a 20-token prompt, past them, catches its first rows up eagerly and
+    enters its last 16. The proposals equal the eager chain's, the outputs plain decoding's (greedy) or the eager
+    chain's (sampled: the "sample" rule's prompt graphs)."""
+    checkpoint = tiny_checkpoint("llama")
+    knobs = dict(max_num_seqs=1, max_num_batched_tokens=32)
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture, **knobs)
+    runner = llm.engine.runner
+    runner.proposer.capture_cuda_graphs(sizes=[1], capture=eager_capture, block_size=runner.block_size,
+                                        max_blocks_per_req=runner.buffers.block_table.gpu.shape[1],
+                                        prefill_sizes=[8, 16])
+    graphs, cuts = runner.proposer.graphs, []
+    assert graphs.prefill == [8, 16] and graphs.entry_limit(1) == 16 and graphs.entry_limit(2) == K + 1
+    graphs.split = lambda lens, *rows: cuts.append(DraftGraphs.split(graphs, lens, *rows)) or cuts[-1]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 14, 20)]
+    params = [SamplingParams(temperature=0.8 if sampled else 0.0, max_tokens=6, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    want, want_proposals, _ = _run(eager, prompts, params)
+    got, proposals, replays = _run(llm, prompts, params)
+    assert got == want and _same_proposals(proposals, want_proposals)
+    if not sampled:
+        plain = LLM(str(checkpoint), device="cpu", **(KNOBS | knobs)).generate(prompts, params, use_tqdm=False)
+        assert got == [o.outputs[0].token_ids for o in plain]
+    assert all(r.sampled == sampled for r in replays if r.drafting)
+    entries, extra = [r.longest_entry for r in replays], int(kind == "draft_model")  # its entry: prompt + token 1
+    assert {5 + extra, 9 + extra, 14 + extra, 16} <= set(entries) and max(entries) == 16
+    assert [c for cut, _, _ in cuts for c in cut if c] == [4 + extra]  # only the 20-row prompt caught up
+
+
 def test_eagle3_greedy_graph_drafts_argmax_its_draft_vocabulary(tiny_checkpoint, tmp_path):
     """The graphs' greedy pick over EAGLE-3's draft vocabulary (no scatter to the target's) equals the argmax
     of the scattered logits, ties included; a head whose draft ids do not ascend with their target ids (ties
