@@ -171,7 +171,8 @@ class ModelRunner:
             query_lens.append(self.proposer.num_speculative_tokens + 1)
         if prefill_sizes is None:
             prefill_sizes = default_prefill_sizes(self.buffers.max_num_tokens)
-        prefill_sizes = list(prefill_sizes) if multi_token else []
+        # A capture runs q tokens at positions 0 .. q-1, so no prefill graph is longer than the model's positions.
+        prefill_sizes = [q for q in prefill_sizes if q <= self.max_model_len] if multi_token else []
         self.cuda_graphs = DecodeGraphs(
             self.forward, self.buffers, self.backends, sizes=sizes, query_lens=query_lens,
             block_size=self.block_size, max_seq_len=self.max_model_len,

@@ -313,6 +313,9 @@ def test_prefill_graphs_match_eager_on_cpu(tiny_checkpoint):
     runner = llm.engine.runner
     assert runner.capture_cuda_graphs([1], prefill_sizes=[8, 16], capture=eager_capture) is None
     assert runner.cuda_graphs.prefill == [8, 16]
+    short = LLM(path, **dict(knobs, max_model_len=24)).engine.runner  # budget 32 tokens, positions 0 .. 23
+    assert short.capture_cuda_graphs([1], prefill_sizes=[8, 16, 32], capture=eager_capture) is None
+    assert short.cuda_graphs.prefill == [8, 16]  # a capture of 32 would run positions past max_model_len
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(eager.engine.info.vocab_size, (n,), generator=g).tolist() for n in (5, 13, 30)]
     params = _params([4, 3, 3])
