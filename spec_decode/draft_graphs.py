@@ -14,17 +14,19 @@ nothing else. "sample" keeps q = softmax(logits / T) (one-hot on greedy rows) in
 with the exponential race on the DRAFT stream at (seed, output position), so a draft depends on neither the
 batch nor the path (graph or eager).
 
-Persistent buffers, allocated once for the largest size A (a replay reads them where the capture did):
-    staging [4Aq + 8A + 1] int64   one host -> device copy per step; at the offsets of size B (`_Layout`):
+Persistent buffers, allocated once for the largest size A (a replay reads them where the capture did); R =
+max(Aq, P), P the longest prompt graph (below):
+    staging int64                  4Bq + 8B + 1 of the largest layout (B, q): one host -> device copy per step;
+                                   at the offsets of each layout (`_Layout`):
                                    entry token rows (ids, positions, request row or -1 on padding, feature
                                    row in the target step), then per request row query_start_loc, seq_len,
                                    last row, draft budget, its row in the target step's block table, and
                                    for "sample" its seed, the output position of draft 1 and greedy flag
     temperature [A] float32        "sample": a second copy (1 on greedy and padding rows)
-    features [Aq, F]               EAGLE's target features of the entry rows (EAGLE-3: the three aux streams
+    features [R, F]                EAGLE's target features of the entry rows (EAGLE-3: the three aux streams
                                    side by side; the head's fc runs inside the graph); none for a draft model
     block_table [A, blocks]        each request's row of the target step's block table (the KV is shared)
-    entry record: query_start_loc [A+1], seq_lens [A], slot_mapping [Aq] (slots come from block_table
+    entry record: query_start_loc [A+1], seq_lens [A], slot_mapping [R] (slots come from block_table
                                    inside the graph, -1 on padding)
     chain: positions, seq_lens, slot_mapping [k-1, A]
                                    row j - 1 for step j, all filled before the first step, and one record per
