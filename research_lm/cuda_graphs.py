@@ -190,7 +190,8 @@ class DecodeGraphs:
     query_lens: 1 (decode) and, for spec decoding, k + 1 (verification). compute_logits ([n, hidden] ->
     [n, vocab] fp32) and vocab_size, both or neither: with them the graphs also fill `logits` and
     `greedy_ids`; without, they hold the forward only. prefill_sizes: query lengths captured at B = 1 for
-    one request's prompt or chunk, always forward only (`prefill` lists the captured ones)."""
+    one request's prompt or chunk, always forward only (`prefill` lists the captured ones). max_seq_len:
+    max_model_len."""
 
     def __init__(
         self,
@@ -215,8 +216,10 @@ class DecodeGraphs:
             fit = sorted(s for s in set(sizes) if 1 <= s <= buffers.max_num_reqs and s * q <= buffers.max_num_tokens)
             if fit:
                 self.sizes[q] = fit
-        longest = max(self.sizes, default=1)
-        self.prefill = sorted(q for q in set(prefill_sizes) if longest < q <= buffers.max_num_tokens)
+        # Longer than every uniform graph's q, within the token budget, and (a capture runs positions 0 .. q-1)
+        # within the model's positions.
+        longest, limit = max(self.sizes, default=1), min(buffers.max_num_tokens, max_seq_len)
+        self.prefill = sorted(q for q in set(prefill_sizes) if longest < q <= limit)
         self.addresses: dict[tuple[int, int], dict[str, int]] = {}  # (B, q) -> buffer addresses at capture
         self._replay: dict[tuple[int, int], Callable[[], Outputs]] = {}
         self.compute_logits = compute_logits

@@ -171,17 +171,16 @@ class ModelRunner:
             query_lens.append(self.proposer.num_speculative_tokens + 1)
         if prefill_sizes is None:
             prefill_sizes = default_prefill_sizes(self.buffers.max_num_tokens)
-        # A capture runs q tokens at positions 0 .. q-1, so no prefill graph is longer than the model's positions.
-        prefill_sizes = [q for q in prefill_sizes if q <= self.max_model_len] if multi_token else []
         self.cuda_graphs = DecodeGraphs(
             self.forward, self.buffers, self.backends, sizes=sizes, query_lens=query_lens,
             block_size=self.block_size, max_seq_len=self.max_model_len,
-            compute_logits=self.model.compute_logits, vocab_size=self.vocab_size, prefill_sizes=prefill_sizes,
-            capture=capture,
+            compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
+            prefill_sizes=prefill_sizes if multi_token else (), capture=capture,
         )
         capture_drafts = getattr(self.proposer, "capture_cuda_graphs", None)
-        if capture_drafts is not None:
-            capture_drafts(sizes=sizes, prefill_sizes=prefill_sizes, capture=capture, block_size=self.block_size,
+        if capture_drafts is not None:  # the drafter's prompt graphs: the lengths the target's serve
+            capture_drafts(sizes=sizes, prefill_sizes=self.cuda_graphs.prefill, capture=capture,
+                           block_size=self.block_size,
                            max_blocks_per_req=self.buffers.block_table.gpu.shape[1],
                            verified_inputs=None if self.cuda_graphs.greedy_ids is None
                            else (self.cuda_graphs.greedy_ids, self.buffers.input_ids.gpu))

@@ -16,7 +16,7 @@ batch nor the path (graph or eager).
 
 Persistent buffers, allocated once for the largest size A (a replay reads them where the capture did); R =
 max(Aq, P), P the longest prompt graph (below):
-    staging int64                  4Bq + 8B + 1 of the largest layout (B, q): one host -> device copy per step;
+    staging int64                  the largest 4Bq + 8B + 1 of the layouts (B, q): one host -> device copy per step;
                                    at the offsets of each layout (`_Layout`):
                                    entry token rows (ids, positions, request row or -1 on padding, feature
                                    row in the target step), then per request row query_start_loc, seq_len,
@@ -152,22 +152,22 @@ class DraftGraphs:
         # "verified" graph then reads in place; None (or too short): it reads copies in its own buffers
         verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
         # Entry lengths of one request's prompt graphs (B = 1, "argmax" and "sample"): a prompt of at most
-        # max(prefill_sizes) rows replays the smallest that holds it, with no eager catch-up.
+        # max(prefill_sizes) rows replays the smallest that holds it, with no eager catch-up. None without
+        # multi-token attention (query_len 1).
         prefill_sizes: Sequence[int] = (),
     ):
         self.k, self.vocab_size, self.block_size = num_speculative_tokens, vocab_size, block_size
         self.query_len = query_len
         self.sizes = sorted(s for s in set(sizes) if s >= 1)
-        self.prefill = sorted(p for p in set(prefill_sizes) if p > query_len)
+        self.prefill = sorted(p for p in set(prefill_sizes) if p > query_len) if query_len > 1 else []
         a, q = self.sizes[-1], query_len
         layouts = [_Layout(b, q) for b in self.sizes] + [_Layout(1, p) for p in self.prefill]
-        largest = max(layouts, key=lambda lay: lay.size)
+        staged, rows = max(lay.size for lay in layouts), max(lay.t for lay in layouts)
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
-        self.staging = torch.zeros(largest.size, **i64)
+        self.staging = torch.zeros(staged, **i64)
         pin = device.type == "cuda"  # the host side of the one copy each way, without a sync
-        self.staging_host = torch.zeros(largest.size, dtype=torch.int64, pin_memory=pin)
-        rows = largest.t
+        self.staging_host = torch.zeros(staged, dtype=torch.int64, pin_memory=pin)
         self.features = torch.zeros(rows, features[0], dtype=features[1], device=device) if features else None
         self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
         self.entry_qsl, self.entry_seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)

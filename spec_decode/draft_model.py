@@ -147,7 +147,7 @@ class DraftModelProposer:
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
             max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
             features=None, device=next(self.model.parameters()).device, capture=capture,
-            prefill_sizes=prefill_sizes if multi_token else (),
+            prefill_sizes=prefill_sizes,
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

@@ -524,3 +524,20 @@ def test_a_drafter_that_syncs_in_forward_is_not_captured(tiny_checkpoint):
     runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=eager_capture, block_size=runner.block_size,
                                         max_blocks_per_req=runner.buffers.block_table.gpu.shape[1])
     assert runner.proposer.graphs is None
+
+
+def test_buffers_hold_every_layout():
+    """The staging copy and the entry rows are sized by the largest of all layouts, each on its own: with k = 1
+    and 100 requests the decode layout stages the most (4 x 200 + 8 x 100 + 1) while the 256-row prompt layout
+    has the most entry rows."""
+    graphs = DraftGraphs(entry=None, step=None, logits=None, argmax=None, layers=[], num_speculative_tokens=1,
+                         vocab_size=8, sizes=[100], query_len=2, block_size=4, max_blocks_per_req=4, max_seq_len=1024,
+                         features=(3, torch.float32), device=torch.device("cpu"), capture=eager_capture,
+                         prefill_sizes=[256])
+    assert graphs.prefill == [256]
+    assert graphs.staging.numel() == 4 * 200 + 8 * 100 + 1 > 4 * 256 + 8 + 1
+    assert graphs.features.shape[0] == graphs.entry_slots.numel() == 256
+    single = DraftGraphs(entry=None, step=None, logits=None, argmax=None, layers=[], num_speculative_tokens=1,
+                         vocab_size=8, sizes=[1], query_len=1, block_size=4, max_blocks_per_req=4, max_seq_len=1024,
+                         features=None, device=torch.device("cpu"), capture=eager_capture, prefill_sizes=[256])
+    assert single.prefill == []  # no multi-token attention (q = 1): no prompt graphs
