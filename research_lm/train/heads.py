@@ -57,22 +57,23 @@ def build_objective(method: str, target: FrozenTarget, data: PackedData, head: d
 
 def _regenerate(data: PackedData, target: Path, cfg: TrainConfig, knobs: dict[str, Any] | None) -> dict[str, Any]:
     knobs = dict(knobs or {})
-    valid = ("fraction", "temperature")
+    valid = ("fraction", "temperature", "copies")
     unknown = sorted(set(knobs) - set(valid))
     if unknown:
         raise ValueError(f"unknown train.regenerate key(s) {unknown}; valid ones: {list(valid)}")
     if not knobs.get("fraction"):
         return {}
     return regenerate_windows(data, target, cfg.resolve_device(), fraction=float(knobs["fraction"]),
-                              temperature=float(knobs.get("temperature", 0.0)), seed=cfg.seed)
+                              temperature=float(knobs.get("temperature", 0.0)), seed=cfg.seed,
+                              copies=knobs.get("copies", 1))
 
 
 def train_head(method: str, cfg: TrainConfig, *, target: str = "tiny-llama", head: dict[str, Any] | None = None,
                regenerate: dict[str, Any] | None = None, logger: Any = None) -> TrainResult:
     """Distil a `method` drafter from the frozen `target` (a built-in name or a checkpoint directory).
 
-    `regenerate` ({"fraction": f, "temperature": T}) trains on the target's own continuations of that share of
-    the windows instead of the corpus text (research_lm.train.regenerate).
+    `regenerate` ({"fraction": f, "temperature": T, "copies": c}) trains on the target's own continuations of that
+    share of the windows instead of the corpus text (research_lm.train.regenerate).
     """
     torch.manual_seed(cfg.seed)
     teacher = FrozenTarget(target, cfg.resolve_device())

@@ -64,8 +64,26 @@ def test_head_trains_on_regenerated_windows_and_records_it(tiny_target, train_kw
     assert recipe["regenerate"] == {"fraction": 0.5, "temperature": 0.0} and recipe["regen_windows"] > 0
 
 
+def test_copies_append_more_continuations_of_the_same_corpus_prefixes(tiny_target, train_kwargs):
+    one, three = _data(tiny_target, train_kwargs), _data(tiny_target, train_kwargs)
+    corpus_train, num_val = one.train.clone(), one.val.shape[0]
+    a = regenerate_windows(one, tiny_target, torch.device("cpu"), fraction=0.5, seed=0)
+    b = regenerate_windows(three, tiny_target, torch.device("cpu"), fraction=0.5, seed=0, copies=3)
+    n, chosen = corpus_train.shape[0], a["regen_windows"] - round(num_val * 0.5)
+    assert three.train.shape[0] == n + 2 * chosen and three.val.shape[0] == num_val
+    assert torch.equal(three.train[:n], one.train) and torch.equal(three.val, one.val)  # copy 0: as copies=1
+    assert b["regen_windows"] == a["regen_windows"] + 2 * chosen and b["regen_copies"] == 3
+    assert torch.equal(three.train_tokens, three.train.reshape(-1))
+    head = one.seq_len // 8  # every version keeps at least this much of its corpus window
+    second, third = three.train[n: n + chosen], three.train[n + chosen:]
+    for extra in (second, third):
+        assert {tuple(w[:head].tolist()) for w in extra} <= {tuple(w[:head].tolist()) for w in corpus_train}
+    assert not torch.equal(second, third)  # own prompt lengths: other continuations
+
+
 @pytest.mark.parametrize("knobs, match", [({"fractoin": 0.5}, "fractoin.*valid ones"),
                                           ({"fraction": 1.5}, "fraction must be in"),
+                                          ({"fraction": 0.5, "copies": 0}, "copies must be an integer"),
                                           ({"fraction": 0.5, "temperature": -1.0}, "temperature must be")])
 def test_bad_regenerate_knobs_are_named(tiny_target, train_kwargs, tmp_path, knobs, match):
     cfg = TrainConfig(output_dir=str(tmp_path / "x"), steps=1, **train_kwargs)
