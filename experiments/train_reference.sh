@@ -3,8 +3,10 @@
 # (self-distillation on the stdlib + pydoc corpus), in the published layouts. One H100/H200: ~9 min, ~6 with
 # SIDE_BY_SIDE=1 (estimates).
 #   [GPUS=N] [SIDE_BY_SIDE=1] [TARGET_ONLY=1] [LAYERS=L] bash experiments/train_reference.sh [OUT_DIR]   # default outputs/reference
-# LAYERS (default 8, the reference): the target's depth. LAYERS=24 is the deeper candidate of PERFORMANCE.md's fourteenth
-# pass (113 s on an H200; its EAGLE-3 head: a speculative step costs 1.5 plain steps instead of 2.2, tau 3.7-3.85).
+# LAYERS (default 24, the reference since session 16: 9.6 M parameters, ~2 min on an H200): the target's depth. LAYERS=8
+# is the earlier reference (3.3 M), on which the one-layer EAGLE-3 head costs almost as much as the target: a
+# speculative step there costs 2.2 plain steps, on the 24-layer target 1.5 (PERFORMANCE.md, fourteenth and fifteenth
+# passes).
 # GPUS=N (N > 1) or SIDE_BY_SIDE=1: the heads train at the same time, head i on GPU i mod N (a small head
 # leaves most of a GPU idle, so on one GPU SIDE_BY_SIDE=1 shortens the wall time; the results are the same).
 # OUT_DIR/{target,eagle3,eagle,medusa,draft}; each holds recipe.json (seed, steps, losses, corpus hash).
@@ -16,7 +18,7 @@ COMMON="logger=jsonl train.batch_size=64 train.seq_len=512 train.corpus_bytes=nu
   train.log_every=100 train.progress=false"
 python -m research_lm experiment=train_target $COMMON train.output_dir=$OUT/target \
   train.steps=1500 train.lr=2e-3 train.warmup_steps=100 train.eval_every=500 train.save_every=1500 \
-  train.model.hidden_size=192 train.model.intermediate_size=512 train.model.num_hidden_layers=${LAYERS:-8} \
+  train.model.hidden_size=192 train.model.intermediate_size=512 train.model.num_hidden_layers=${LAYERS:-24} \
   train.model.num_attention_heads=6 train.model.num_key_value_heads=2
 [ "${TARGET_ONLY:-0}" = 1 ] && exit 0  # TARGET_ONLY=1: the target alone (gpu_pending.sh tau trains its own heads)
 HEADS="train.target=$OUT/target train.warmup_steps=50"
@@ -29,7 +31,8 @@ i=0; pids=()
 # test over 5 steps and a 4096-wide MLP (held-out acc 0.79 against 0.77 at 2048, on two targets of this recipe; tau
 # 3.36 / 4.13 / 3.61 at k = 5 on an H100: PERFORMANCE.md, ninth and tenth passes). The committed spec_ablation_h200
 # table uses this recipe (eleventh pass).
-for head in "train_eagle3 eagle3 3500 train.head.ttt_steps=5 train.head.intermediate_size=4096 train.regenerate.fraction=1.0" \
+for head in "train_eagle3 eagle3 3500 train.head.ttt_steps=5 train.head.intermediate_size=4096 train.regenerate.fraction=1.0 \
+             train.regenerate.copies=3" \
             "train_eagle eagle 800" \
             "train_medusa medusa 800 train.head.num_heads=5" "train_draft draft 800"; do
   set -- $head

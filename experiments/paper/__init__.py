@@ -210,7 +210,7 @@ TABLES: dict[str, Table] = {
         minutes="~9 min on one H200, ~3 min with --gpus 4 (270 jobs; + ~4 min training when missing)",
         sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
                f"model.name={_REF}/target", "spec.num_speculative_tokens=1,3,5", "workload.temperature=0.0,1.0",
-               "workload.max_tokens=48", "runner.num_gpu_blocks=4096"),
+               "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
         parts=tuple((f"spec={method}", *((f"spec.model={_REF}/{head}",) if head else ()), f"runner.max_num_seqs={b}",
                      f"workload.num_requests={max(8, b)}", f"warmup_requests={b}")
                     for method, head in (("ngram", None), ("eagle3", "eagle3"), ("eagle", "eagle"),
@@ -221,15 +221,15 @@ TABLES: dict[str, Table] = {
         plots={"report_speedup_vs_spec.num_speculative_tokens.png": "spec_ablation_h200_speedup.png",
                "report_mean_acceptance_length_vs_spec.num_speculative_tokens.png": "spec_ablation_h200_tau.png"},
         title="spec_ablation on the reference target (GPU)",
-        about="The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 8 layers, trained on the "
-              "stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 3500 steps on the target's "
-              "own greedy continuations, ttt_steps 5, MLP 4096; the others 800); 48 output tokens per request, "
-              "max(8, batch) code prompts, 3 seeds per cell; each job also runs "
-              "the same workload without speculation in the same process (speedup: whole-workload output tok/s, "
-              "prefill included; tpot_ratio compares decoding alone). CUDA graphs: decode and verify steps, and "
-              "whole drafting steps of the model-based drafters (entry forward + chain in one replay; what each "
-              "commit captures: experiments/results/PERFORMANCE.md). The baseline schedules asynchronously; "
-              "speculative runs do not.",
+        about="The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 24 layers, 9.6 M "
+              "parameters, trained on the stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 "
+              "3500 steps on the target's own greedy continuations, 3 per corpus window, ttt_steps 5, MLP 4096; the "
+              "others 800); 128 output tokens per request, max(8, batch) code prompts, 3 seeds per cell; each job "
+              "also runs the same workload without speculation in the same process (speedup: whole-workload output "
+              "tok/s, prefill included; tpot_ratio compares decoding alone). CUDA graphs: decode and verify steps, "
+              "batch-1 prompts, and whole drafting steps of the model-based drafters (entry forward + chain in one "
+              "replay; what each commit captures: experiments/results/PERFORMANCE.md). The baseline schedules "
+              "asynchronously; speculative runs do not.",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
