@@ -52,7 +52,7 @@ class Table:
     bench: str | None = None  # experiments/<bench>.py, called through its main(argv)
     sweep: tuple[str, ...] = ()  # else: the overrides of `python -m research_lm -m ...`
     parts: tuple[tuple[str, ...], ...] = ()  # sweep: more overrides, one multirun per part (e.g. per batch size)
-    prepare: tuple[str, tuple[str, ...]] | None = None  # sweep: (path, command) run first when path is missing
+    prepare: tuple[str, tuple[str, ...]] | None = None  # (path, command) run first when path is missing (not smoke)
     args: tuple[str, ...] = ()  # the benchmark's arguments for this table
     smoke: tuple[str, ...] | None = None  # --allow-cpu on a machine without CUDA: replaces/extends args
     repeat_key: str = "repeat"  # sweep: the key whose values are the repeats (`+repeat=0,1,2`; or `seed`)
@@ -127,6 +127,14 @@ TABLES: dict[str, Table] = {
         args=("--method", "eagle3", "--batch", str(batch), "--temperature", "1.0"),
         smoke=("--device", "cpu", "--tokens", "8"),
     ) for batch in (1, 8)},
+    "bench_prefill": Table(
+        what="batch-1 time to first token on the GPU reference target, plain and EAGLE-3 (k = 5), with and "
+             "without prefill graphs",
+        device="cuda", measured_on="NVIDIA H200", minutes="~30 s (+ ~6 min training when missing)",
+        bench="bench_prefill", args=("--model", f"{_REF}/target", "--head", f"{_REF}/eagle3"),
+        prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
+        smoke=("--device", "cpu", "--model", "tiny-llama", "--head", "tiny-llama-eagle3", "--requests", "2"),
+    ),
     "eplb_policy": Table(
         what="EPLB policies at DeepSeek-V3 scale: compute ms per rebalance, in-sample and replay balancedness",
         device="cpu", measured_on="CPU (2 cores)", minutes="~25–50 s", bench="bench_eplb_policy",
@@ -206,8 +214,8 @@ TABLES: dict[str, Table] = {
     "spec_ablation_h200": Table(
         what="spec_ablation on the GPU reference target: every proposer x k {1,3,5} x batch {1,8,32} x temperature "
              "{0,1}: tau, acceptance per position, draft vs verify time, speedup vs no speculation",
-        device="cuda", measured_on="NVIDIA H200",
-        minutes="~9 min on one H200, ~3 min with --gpus 4 (270 jobs; + ~4 min training when missing)",
+        device="cuda", measured_on="NVIDIA H100",
+        minutes="~5 min with --gpus 4 (270 jobs; + ~6 min training when missing)",
         sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
                f"model.name={_REF}/target", "spec.num_speculative_tokens=1,3,5", "workload.temperature=0.0,1.0",
                "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
@@ -310,6 +318,11 @@ def run(name: str, *, repeats: int = MIN_REPEATS, out: Path | None = None, allow
     file_name = f"{name}_cpu_smoke" if smoke else name
     out = Path(out) if out is not None else (Path("outputs/paper") if smoke else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
+    if table.prepare is not None and not smoke and not Path(table.prepare[0]).exists():
+        print("+ " + " ".join(table.prepare[1]), flush=True)  # e.g. train the models the table measures
+        env = {**os.environ, "GPUS": str(gpus)}  # train_reference.sh trains its heads side by side
+        if subprocess.run(list(table.prepare[1]), env=env).returncode != 0:
+            raise PaperError(f"{name}: preparing {table.prepare[0]} failed (see above)")
     if table.bench is not None:
         args = [*table.args, *(table.smoke if smoke else ()), *extra]
         return run_bench(table.bench, args, repeats=repeats, out=out, file_name=file_name)
@@ -351,11 +364,6 @@ def run_sweep(table: Table, name: str, overrides: list[str], *, repeats: int, ou
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     sweep_dir = Path(sweep_root) / file_name / stamp
     key = "+repeat" if table.repeat_key == "repeat" else table.repeat_key  # `repeat` is not in conf/config.yaml
-    if table.prepare is not None and not Path(table.prepare[0]).exists():
-        print("+ " + " ".join(table.prepare[1]), flush=True)  # e.g. train the models the sweep measures
-        env = {**os.environ, "GPUS": str(gpus)}  # train_reference.sh trains its heads side by side
-        if subprocess.run(list(table.prepare[1]), env=env).returncode != 0:
-            raise PaperError(f"{name}: preparing {table.prepare[0]} failed (see above)")
     commands, running, failed = [], [], []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpu_ids = visible.split(",") if visible else [str(j) for j in range(gpus)]
