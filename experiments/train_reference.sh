@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU reference target for the spec-decode benchmarks and its four drafters, trained in-framework
-# (self-distillation on the stdlib + pydoc corpus), in the published layouts. One H100/H200: ~9 min, ~6 with
-# SIDE_BY_SIDE=1 (estimates).
+# (self-distillation on the stdlib + pydoc corpus), in the published layouts. One H200: ~11 min, ~8.5 with
+# SIDE_BY_SIDE=1 (sums of the parts' times: target 2 min, EAGLE-3 6.3, the other heads ~1 each).
 #   [GPUS=N] [SIDE_BY_SIDE=1] [TARGET_ONLY=1] [LAYERS=L] bash experiments/train_reference.sh [OUT_DIR]   # default outputs/reference
 # LAYERS (default 24, the reference since session 16: 9.6 M parameters, ~2 min on an H200): the target's depth. LAYERS=8
 # is the earlier reference (3.3 M), on which the one-layer EAGLE-3 head costs almost as much as the target: a
@@ -27,10 +27,10 @@ GPUS=${GPUS:-1}
 SIDE_BY_SIDE=${SIDE_BY_SIDE:-0}
 [ "$GPUS" -gt 1 ] && SIDE_BY_SIDE=1
 i=0; pids=()
-# EAGLE-3 trains longest, on the target's own greedy continuations (~2 min of generation first), with training-time
-# test over 5 steps and a 4096-wide MLP (held-out acc 0.79 against 0.77 at 2048, on two targets of this recipe; tau
-# 3.36 / 4.13 / 3.61 at k = 5 on an H100: PERFORMANCE.md, ninth and tenth passes). The committed spec_ablation_h200
-# table uses this recipe (eleventh pass).
+# EAGLE-3 trains longest, on the target's own greedy continuations, 3 per corpus window (~2 min of generation
+# first), with training-time test over 5 steps and a 4096-wide MLP. On the 24-layer target: held-out acc 0.744
+# against 0.737 with one continuation per window, tau 3.89 (3.82-4.04) at k = 5, batch 1 on an H200
+# (PERFORMANCE.md, fifteenth pass; 2048 -> 4096 MLP: ninth and tenth passes). spec_ablation_h200 uses this recipe.
 for head in "train_eagle3 eagle3 3500 train.head.ttt_steps=5 train.head.intermediate_size=4096 train.regenerate.fraction=1.0 \
              train.regenerate.copies=3" \
             "train_eagle eagle 800" \

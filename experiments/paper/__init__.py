@@ -130,7 +130,7 @@ TABLES: dict[str, Table] = {
     "bench_prefill": Table(
         what="batch-1 time to first token on the GPU reference target, plain and EAGLE-3 (k = 5), with and "
              "without prefill graphs",
-        device="cuda", measured_on="NVIDIA H200", minutes="~30 s (+ ~6 min training when missing)",
+        device="cuda", measured_on="NVIDIA H100", minutes="~30 s (+ ~11 min training when missing)",
         bench="bench_prefill", args=("--model", f"{_REF}/target", "--head", f"{_REF}/eagle3"),
         prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
         smoke=("--device", "cpu", "--model", "tiny-llama", "--head", "tiny-llama-eagle3", "--requests", "2"),
@@ -215,7 +215,7 @@ TABLES: dict[str, Table] = {
         what="spec_ablation on the GPU reference target: every proposer x k {1,3,5} x batch {1,8,32} x temperature "
              "{0,1}: tau, acceptance per position, draft vs verify time, speedup vs no speculation",
         device="cuda", measured_on="NVIDIA H100",
-        minutes="~5 min with --gpus 4 (270 jobs; + ~6 min training when missing)",
+        minutes="~5 min with --gpus 4 (270 jobs; + ~8.5 min training when missing)",
         sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
                f"model.name={_REF}/target", "spec.num_speculative_tokens=1,3,5", "workload.temperature=0.0,1.0",
                "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),

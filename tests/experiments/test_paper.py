@@ -225,3 +225,20 @@ def test_bench_decode_8b_table_smoke_runs_both_batches_on_a_cpu(tmp_path):
     assert "Decode at batch 1, 2, tiny shape" in md and "| batch | variant | ms/step | tok/s |" in md
     assert "| 1 | floor: (weight + KV bytes) / copy bandwidth |" in md and "| 2 | research_lm eager |" in md
     assert "| 2 | transformers dynamic cache |" in md
+
+
+def test_a_bench_table_prepares_its_missing_models_first_and_names_a_failure(monkeypatch, tmp_path):
+    import dataclasses
+    import types
+
+    table = dataclasses.replace(paper.TABLES["bench_prefill"], prepare=(str(tmp_path / "missing"), ("train",)))
+    monkeypatch.setattr(paper, "resolve", lambda name, allow_cpu: (table, False))
+    calls, code = [], [0]
+    monkeypatch.setattr(paper.subprocess, "run",
+                        lambda cmd, env: calls.append(cmd) or types.SimpleNamespace(returncode=code[0]))
+    monkeypatch.setattr(paper, "run_bench", lambda bench, args, **kw: calls.append((bench, args[:2])) or tmp_path)
+    paper.run("bench_prefill", out=tmp_path)
+    assert calls == [["train"], ("bench_prefill", ["--model", "outputs/reference/target"])]
+    code[0] = 1
+    with pytest.raises(paper.PaperError, match="preparing .*missing failed"):
+        paper.run("bench_prefill", out=tmp_path)
