@@ -2,7 +2,7 @@
 # GPU checks to repeat after a change to the runner, in one-H200 device calls (each block fits 10 minutes). From
 # the repository root (or a `git archive HEAD` copy of it), with hydra/omegaconf/flashinfer wheels installed and
 # RESEARCH_LM_COMMIT / BENCH_COMMIT set to the commit.
-#   bash experiments/gpu_pending.sh tests | match | t1 | b1 | tau | host | waves
+#   bash experiments/gpu_pending.sh tests | match | t1 | b1 | host | waves
 # Session 4 (2026-11-25) ran both at 6e6bc1b / 89ff565, and the tables bench_decode, bench_throughput,
 # bench_decode_8b and attention_ablation_h200 (parts over two calls, --print-commands / --from-sweep), and the
 # attention_ablation preset at GPU size (113 s). Still never run on a GPU: the fa2 variant of mla_flashinfer.
@@ -33,7 +33,8 @@
 # verification, the bookkeeping kernel): all passed; `host` at b1/b8 with the "eagle3 verify first" row; and
 # spec_ablation_h200 with --gpus 2. The stacked Medusa heads (2f558fe) have CPU tests only; on the GPU their
 # spec_ablation cells ran with τ unchanged.
-# Session 16 made the 24-layer target the reference (PERFORMANCE.md, fifteenth pass) and ran the GPU tests of
+# Session 16 made the 24-layer target the reference (PERFORMANCE.md, fifteenth pass; its head variants replace the
+# old `tau` block, removed) and ran the GPU tests of
 # test_cuda_graphs, test_draft_graphs, test_spec_greedy_identity and test_async_scheduling at 6248ca2: all passed.
 # Not yet run on the 24-layer target: `match` (greedy outputs matched 0.28-0.63 of 192-token requests in bf16; on a
 # CPU float32 gives 1.0 and bfloat16 0.69) and
@@ -70,24 +71,6 @@ case ${1:-tests} in
       grep -hE '"(mean_acceptance_length|speedup|tpot_ratio|draft_ms_per_step_median|verify_ms_per_step_median)"' \
         multirun/b1_$1/*/results.json
     done ;;
-  tau)  # issue 4's tau lever (PERFORMANCE.md, ninth pass): the EAGLE-3 recipe of train_reference.sh (regenerated data,
-         # ttt_steps 5, 3500 steps) with its MLP 2048 and with 4096 (CPU pilots: +0.016 held-out acc), side by side,
-         # then batch-1 k = 5 cells (3 seeds, greedy and T = 1); ~10 min on one H100 when the target must be trained
-    [ -d outputs/reference/target ] || TARGET_ONLY=1 bash experiments/train_reference.sh outputs/reference
-    mkdir -p outputs/tau
-    for w in 2048 4096; do
-      python -m research_lm experiment=train_eagle3 logger=jsonl train.batch_size=64 train.seq_len=512 \
-        train.corpus_bytes=null train.save_dtype=bfloat16 train.log_every=250 train.progress=false \
-        train.target=outputs/reference/target train.warmup_steps=50 train.steps=3500 train.eval_every=0 \
-        train.save_every=0 train.head.ttt_steps=5 train.head.intermediate_size=$w train.regenerate.fraction=1.0 \
-        train.output_dir=outputs/tau/eagle3_mlp$w > outputs/tau/mlp$w.log 2>&1 &
-    done
-    wait
-    python -m research_lm -m experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf \
-      model.name=outputs/reference/target spec=eagle3 spec.model=outputs/tau/eagle3_mlp2048,outputs/tau/eagle3_mlp4096 \
-      spec.num_speculative_tokens=5 workload.temperature=0.0,1.0 workload.max_tokens=64 runner.num_gpu_blocks=4096 \
-      runner.max_num_seqs=1 workload.num_requests=32 warmup_requests=1 seed=0,1,2 hydra.sweep.dir=multirun/tau
-    grep -hE '"(mean_acceptance_length|acceptance_rate_pos[0-4]|speedup)"' multirun/tau/*/results.json ;;
   host)  # host time per speculative step, phase by phase (experiments/bench_spec_host.py; PERFORMANCE.md, eighth
           # pass): the built-in pair, eagle3 and ngram at batch 1 and 8, ~2 min; the table goes to experiments/results
     for b in 1 8; do

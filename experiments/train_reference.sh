@@ -20,7 +20,7 @@ python -m research_lm experiment=train_target $COMMON train.output_dir=$OUT/targ
   train.steps=1500 train.lr=2e-3 train.warmup_steps=100 train.eval_every=500 train.save_every=1500 \
   train.model.hidden_size=192 train.model.intermediate_size=512 train.model.num_hidden_layers=${LAYERS:-24} \
   train.model.num_attention_heads=6 train.model.num_key_value_heads=2
-[ "${TARGET_ONLY:-0}" = 1 ] && exit 0  # TARGET_ONLY=1: the target alone (gpu_pending.sh tau trains its own heads)
+[ "${TARGET_ONLY:-0}" = 1 ] && exit 0  # TARGET_ONLY=1: the target alone (to train head variants on it)
 HEADS="train.target=$OUT/target train.warmup_steps=50"
 # The four heads only read the target, so they may train side by side.
 GPUS=${GPUS:-1}
