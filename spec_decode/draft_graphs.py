@@ -152,7 +152,7 @@ class DraftGraphs:
         # "verified" graph then reads in place; None (or too short): it reads copies in its own buffers
         verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
         # Entry lengths of one request's prompt graphs (B = 1, "argmax" and "sample"): a prompt of at most
-        # max(prefill_sizes) rows replays the smallest that holds it, with no eager catch-up. None without
+        # max(prefill_sizes) rows replays the smallest that holds it, with no eager catch-up. Ignored without
         # multi-token attention (query_len 1).
         prefill_sizes: Sequence[int] = (),
     ):

@@ -91,18 +91,14 @@ def regenerate_windows(data: PackedData, target: str | Path, device: torch.devic
     for name in ("train", "val"):
         split = getattr(data, name)
         rows = _pick(split.shape[0], fraction, generator)
-        originals = split[rows].clone()  # the corpus text: each further copy continues it from its own length
+        extra = [split[rows] for _ in range(copies - 1)] if name == "train" else []  # the corpus text (copies)
         made += _continue(split, rows, llm, temperature, seed + (0 if name == "train" else 1), generator, batch)
-        windows += len(rows)
-        if name == "train" and copies > 1:
-            extra = []
-            for c in range(1, copies):
-                version = originals.clone()
-                own = torch.Generator().manual_seed(seed * 7_919 + 17 + c)  # leaves copy 0 and held-out as copies=1
-                made += _continue(version, list(range(len(rows))), llm, temperature, seed + 1 + c, own, batch)
-                extra.append(version)
+        for c, version in enumerate(extra, start=1):  # own generators leave copy 0 and held-out as copies=1
+            own = torch.Generator().manual_seed(seed * 7_919 + 17 + c)
+            made += _continue(version, list(range(len(rows))), llm, temperature, seed + 1 + c, own, batch)
+        windows += len(rows) * (1 + len(extra))
+        if extra:
             data.train = torch.cat([split, *extra])
-            windows += len(rows) * (copies - 1)
     del llm
     if device.type == "cuda":
         torch.cuda.empty_cache()
