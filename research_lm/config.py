@@ -49,6 +49,11 @@ class EngineConfig:
     # the device's (research_lm/scheduler.py). None: on for CUDA without a proposer or expert parallelism
     # (speculative steps need their tokens on the host to draft); True elsewhere works too (CPU: no gain).
     async_scheduling: bool | None = None
+    # A prompt arriving while other requests decode runs alone in a step of its own (they wait one step) instead
+    # of joining theirs, where it fits a prefill graph: a step mixing both runs eagerly, tens of ms at a small
+    # batch against ~1 ms per replay (research_lm/scheduler.py). None: on wherever prefill graphs were captured;
+    # True: also without graphs (any prompt within max_num_batched_tokens; to ablate the policy); False: off.
+    separate_prefills: bool | None = None
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (speed runs, vLLM's name)
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
 

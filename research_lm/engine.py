@@ -101,6 +101,7 @@ class LLMEngine:
             num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0),
             sliding_window=self._shared_sliding_window(),
             stop_strings=StopStrings(self.tokenizer) if self.tokenizer is not None else None,
+            separate_prefill_tokens=self._separate_prefill_tokens(config.separate_prefills),
         )
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device, proposer)
         self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step
@@ -116,6 +117,15 @@ class LLMEngine:
         if asked and blocker:
             raise ValueError(f"async_scheduling=True does not combine with {blocker}; leave it unset or False")
         return blocker is None and (asked if asked is not None else device.type == "cuda")
+
+    def _separate_prefill_tokens(self, asked: bool | None) -> int:
+        """The scheduler's `separate_prefill_tokens`: the longest captured prefill graph (None: only where there
+        is one; True: else any prompt within the step budget, to ablate the policy eagerly), 0 when off."""
+        graphs = self.runner.cuda_graphs
+        longest = max(graphs.prefill, default=0) if graphs is not None else 0
+        if asked is None:
+            return longest
+        return (longest or self.config.max_num_batched_tokens) if asked else 0
 
     def _shared_sliding_window(self) -> int | None:
         """The window, if every layer reading the block table uses the same one: then blocks that fall

@@ -209,7 +209,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         cuda_graphs=r.get("cuda_graphs", True), cuda_graph_sizes=_list_or_none(r.get("cuda_graph_sizes")),
         prefill_graph_sizes=_list_or_none(r.get("prefill_graph_sizes")),
         fused_ops=r.get("fused_ops", True), compile=r.get("compile", False),
-        async_scheduling=r.get("async_scheduling"),
+        async_scheduling=r.get("async_scheduling"), separate_prefills=r.get("separate_prefills"),
         load_format=m.get("load_format", "auto"),
     )
 

@@ -7,6 +7,8 @@ Invariants (asserted by tests/test_scheduler.py):
 - A running request's table covers `num_computed_tokens + num_new_tokens` (+ lookahead) slots.
 - `num_computed_tokens` counts tokens whose KV is in the cache and real: after a step it is
   `num_tokens - 1` once the request has emitted (the last sampled token is computed next step).
+- With `separate_prefill_tokens`, a short prompt arriving while others decode gets a step of its own (the
+  decodes wait one step), so that on a GPU both replay CUDA graphs instead of one eager mixed step.
 - Preemption is by recompute and always takes the newest running request (the last admitted); a
   preempted request keeps its output tokens, frees its blocks and recomputes prompt + outputs. In
   a step that preempts, no waiting request is admitted.
@@ -65,10 +67,14 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         sliding_window: int | None = None,
         stop_strings: StopStrings | None = None,
+        separate_prefill_tokens: int = 0,
     ) -> None:
         """`num_lookahead_tokens`: extra slots a proposer writes past the verified tokens (EAGLE).
         `sliding_window`: free blocks out of the window; only when every layer uses that window.
-        `stop_strings`: checks `SamplingParams.stop` (needs the tokenizer); None: requests may not set it."""
+        `stop_strings`: checks `SamplingParams.stop` (needs the tokenizer); None: requests may not set it.
+        `separate_prefill_tokens`: a waiting prompt with at most this many tokens to compute, arriving while
+        others decode, is admitted alone in a step of its own (the decodes resume next step) instead of
+        joining theirs; 0: it joins them (`_schedule_alone`)."""
         if kv_cache.max_num_tokens < max_model_len + num_lookahead_tokens:
             raise ValueError(
                 f"the KV cache holds {kv_cache.max_num_tokens} tokens ({kv_cache.num_blocks - 1} blocks of "
@@ -88,6 +94,7 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.sliding_window = sliding_window
         self.stop_strings = stop_strings
+        self.separate_prefill_tokens = separate_prefill_tokens
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -148,10 +155,29 @@ class Scheduler:
         """One step's batch: running requests first, then admissions (none if anyone was preempted)."""
         out = SchedulerOutput(scheduled=[], finished_req_ids=self._finished_since_schedule)
         self._finished_since_schedule = set()
+        if self._schedule_alone(out):
+            return out
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         return out
+
+    def _schedule_alone(self, out: SchedulerOutput) -> bool:
+        """Admit the first waiting request alone when every running request is decoding and its prompt has at
+        most `separate_prefill_tokens` to compute. Why: on a GPU a step mixing a prompt with decodes runs
+        eagerly (tens of ms at a small batch), while the prompt alone replays a prefill graph and the decodes
+        theirs (~1 ms each); a prompt too long for a prefill graph is eager anyway, and joins the decodes."""
+        if not (self.separate_prefill_tokens and self.waiting and self.running
+                and len(self.running) < self.max_num_seqs):
+            return False
+        if any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
+            return False  # a chunked prompt is still running: admissions ride along with it
+        request = self.waiting[0]
+        hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if num_new > min(self.separate_prefill_tokens, self.max_num_batched_tokens):
+            return False
+        return self._admit(request, hit_blocks, num_hit, num_new, out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Decodes (and unfinished prefill chunks) first, in admission order; preempt the newest
@@ -231,20 +257,27 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            block_ids = self.kv_cache.allocate_slots(
-                request, num_new, hit_blocks, num_lookahead_tokens=self.num_lookahead_tokens
-            )
-            if block_ids is None:
+            if not self._admit(request, hit_blocks, num_hit, num_new, out):
                 break
-            self.waiting.popleft()
-            self.kv_cache.prefix_cache_stats.record(request.num_tokens, num_hit)
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
+
+    def _admit(self, request: Request, hit_blocks: list, num_hit: int, num_new: int, out: SchedulerOutput) -> bool:
+        """Move the first waiting request to running with `num_new` tokens to compute this step, if its blocks
+        can be allocated."""
+        block_ids = self.kv_cache.allocate_slots(
+            request, num_new, hit_blocks, num_lookahead_tokens=self.num_lookahead_tokens
+        )
+        if block_ids is None:
+            return False
+        self.waiting.popleft()
+        self.kv_cache.prefix_cache_stats.record(request.num_tokens, num_hit)
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
+        return True
 
     # ---- async scheduling --------------------------------------------------------------------
     def can_schedule_ahead(self) -> bool:

@@ -256,6 +256,7 @@ def workloads(draw, pressure: bool = False):
         arrivals=arrivals, aborts=[(s, f"r{i}") for s, i in aborts],
         num_spec=draw(st.sampled_from([0, 0, 1, 3])), p_wrong=draw(st.sampled_from([0.0, 0.3, 1.0])),
         window=draw(st.one_of(st.none(), st.integers(1, 12))), seed=draw(st.integers(0, 99)),
+        separate=draw(st.sampled_from([0, 0, 4, 64])),
     )
 
 
@@ -263,7 +264,7 @@ def run_workload(w: dict) -> tuple[Scheduler, FakeRunner, dict[str, Request]]:
     kv = KVCacheManager(w["num_blocks"], w["block_size"], enable_prefix_caching=w["caching"])
     sched = Scheduler(kv, max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                       max_model_len=w["max_model_len"], enable_chunked_prefill=w["chunked"],
-                      sliding_window=w["window"])
+                      sliding_window=w["window"], separate_prefill_tokens=w["separate"])
     runner = FakeRunner(kv, num_spec=w["num_spec"], p_wrong=w["p_wrong"], seed=w["seed"],
                         sliding_window=w["window"])
     reqs = run_to_completion(sched, runner, w["arrivals"], w["aborts"])
@@ -334,6 +335,33 @@ def test_chunk_shares_the_budget_with_decodes():
     sched.add_request(b)
     so, _ = step(sched, runner)
     assert [(s.request.request_id, s.num_new_tokens) for s in so.scheduled] == [("r0", 1), ("r1", 9)]
+
+
+def test_separate_prefills_admit_a_short_prompt_alone_and_a_long_one_alongside_the_decodes():
+    sched = make_scheduler(budget=64, max_model_len=64, separate_prefill_tokens=8)
+    runner = FakeRunner(sched.kv_cache)
+    a, b, c = (make_request(i, list(range(s, s + n)), max_tokens=6) for i, s, n in ((0, 0, 3), (1, 3, 8), (2, 11, 9)))
+    d, e = make_request(3, [5, 6], max_tokens=4), make_request(4, [7, 8], max_tokens=4)
+    sched.add_request(a)
+    sched.add_request(d)
+    so, _ = step(sched, runner)  # nothing decodes yet: prompts are admitted together as before
+    assert [s.request.request_id for s in so.scheduled] == ["r0", "r3"]
+    sched.add_request(b)
+    sched.add_request(e)
+    so, _ = step(sched, runner)  # b (8 tokens) alone, the decodes wait
+    assert [(s.request.request_id, s.num_new_tokens) for s in so.scheduled] == [("r1", 8)]
+    so, _ = step(sched, runner)  # then e alone
+    assert [(s.request.request_id, s.num_new_tokens) for s in so.scheduled] == [("r4", 2)]
+    so, _ = step(sched, runner)  # then every decode together
+    assert [(s.request.request_id, s.num_new_tokens) for s in so.scheduled] == [
+        ("r0", 1), ("r3", 1), ("r1", 1), ("r4", 1)]
+    sched.add_request(c)
+    so, _ = step(sched, runner)  # 9 tokens: no prefill graph holds it, so it joins the decodes
+    assert [s.request.request_id for s in so.scheduled] == ["r0", "r3", "r1", "r4", "r2"]
+    reqs = {r.request_id: r for r in (a, b, c, d, e)}
+    while sched.has_unfinished_requests():
+        step(sched, runner)
+    assert_matches_reference(reqs, 64)
 
 
 def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
