@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from research_lm.outputs import ScheduledRequest
-from research_lm.request import Logprob
+from research_lm.request import Logprob, Request
 from research_lm.sampler import SamplingBatch, SamplingRow, compute_probs, gather_logprobs, logprobs_to_dicts
 from research_lm.spec import load_rejection_sampler
 
@@ -28,13 +28,15 @@ def verify_drafts(
 ) -> tuple[list[list[int]], list[int], list[list[dict[int, Logprob]]] | None]:
     """Per scheduled request: the tokens it emits, how many drafts it rejected, and (where some request
     asks for logprobs) the emitted tokens' logprobs."""
-    rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
-    batch = SamplingBatch.build(rows, vocab_size, device)
     reqs = sorted({i for i, _ in sample_rows})
+    batch = None
+    if not _argmax_only([scheduled[i].request for i in reqs]):  # per row: positions, bans, penalties' state
+        rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
+        batch = SamplingBatch.build(rows, vocab_size, device)
     drafts = [scheduled[i].spec_token_ids for i in reqs]
     q = [draft_probs.pop(scheduled[i].request.request_id, None) for i in reqs]
     emitted: list[list[int]] = [[] for _ in scheduled]
-    if batch.plain_argmax:
+    if batch is None or batch.plain_argmax:
         target = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)).tolist()
         row = 0
         for i, d in zip(reqs, drafts, strict=True):
@@ -54,8 +56,22 @@ def verify_drafts(
         for i, row in zip(reqs, tokens, strict=True):
             emitted[i] = [t for t in row if t != -1]
     num_rejected = [len(s.spec_token_ids) + 1 - len(e) if e else 0 for s, e in zip(scheduled, emitted)]
-    logprobs = None if batch.max_num_logprobs is None else _emitted_logprobs(logits, sample_rows, batch, emitted)
+    logprobs = None if batch is None or batch.max_num_logprobs is None else _emitted_logprobs(
+        logits, sample_rows, batch, emitted)
     return emitted, num_rejected, logprobs
+
+
+def _argmax_only(requests: list[Request]) -> bool:
+    """`SamplingBatch.argmax_only` of the step's rows, decided per request without building the batch (per-row
+    Python that grows with batch x (k + 1)): greedy, no penalty, logit_bias, allowed_token_ids or logprobs, and
+    min_tokens reached (its rows sit at or past the request's output count, so none is banned)."""
+    for r in requests:
+        sp = r.sampling_params
+        if not (sp.greedy and sp.logprobs is None and not sp.logit_bias and sp.allowed_token_ids is None
+                and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
+                and r.num_output_tokens >= sp.min_tokens):
+            return False
+    return True
 
 
 def _emitted_logprobs(
