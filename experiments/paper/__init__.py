@@ -215,12 +215,12 @@ TABLES: dict[str, Table] = {
         what="spec_ablation on the GPU reference target: every proposer x k {1,3,5} x batch {1,8,32} x temperature "
              "{0,1}: tau, acceptance per position, draft vs verify time, speedup vs no speculation",
         device="cuda", measured_on="NVIDIA H100",
-        minutes="~5 min with --gpus 4 (270 jobs; + ~8.5 min training when missing)",
+        minutes="~6 min with --gpus 4 (270 jobs; + ~8.5 min training when missing)",
         sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
                f"model.name={_REF}/target", "spec.num_speculative_tokens=1,3,5", "workload.temperature=0.0,1.0",
                "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
         parts=tuple((f"spec={method}", *((f"spec.model={_REF}/{head}",) if head else ()), f"runner.max_num_seqs={b}",
-                     f"workload.num_requests={max(8, b)}", f"warmup_requests={b}")
+                     f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
                     for method, head in (("ngram", None), ("eagle3", "eagle3"), ("eagle", "eagle"),
                                          ("medusa", "medusa"), ("draft_model", "draft"))
                     for b in (1, 8, 32)),
@@ -232,12 +232,14 @@ TABLES: dict[str, Table] = {
         about="The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 24 layers, 9.6 M "
               "parameters, trained on the stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 "
               "3500 steps on the target's own greedy continuations, 3 per corpus window, ttt_steps 5, MLP 4096; the "
-              "others 800); 128 output tokens per request, max(8, batch) code prompts, 3 seeds per cell; each job "
-              "also runs the same workload without speculation in the same process (speedup: whole-workload output "
-              "tok/s, prefill included; tpot_ratio compares decoding alone). CUDA graphs: decode and verify steps, "
-              "batch-1 prompts, and whole drafting steps of the model-based drafters (entry forward + chain in one "
-              "replay; what each commit captures: experiments/results/PERFORMANCE.md). The baseline schedules "
-              "asynchronously; speculative runs do not.",
+              "others 800); 128 output tokens per request; 8 code prompts at batch 1, 4 x batch at 8 and 32 (requests "
+              "join as others finish, as in serving; a batch of exactly max_num_seqs requests would time its slowest "
+              "one); 3 seeds per cell; each job also runs the same workload without speculation in the same process "
+              "(speedup: whole-workload output tok/s, prefill included; tpot_ratio compares decoding alone). CUDA "
+              "graphs: decode and verify steps, one request's prompt (a prompt joining running requests gets a step "
+              "of its own: runner.separate_prefills), and whole drafting steps of the model-based drafters (entry "
+              "forward + chain in one replay; what each commit captures: experiments/results/PERFORMANCE.md). The "
+              "baseline schedules asynchronously; speculative runs do not.",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
