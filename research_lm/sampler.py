@@ -96,6 +96,15 @@ class SamplingRow:
 RowLike = Request | SamplingRow | tuple[Request, list[int] | None]
 
 
+def plain_greedy(request: Request) -> bool:
+    """The request's rows from its next output on take argmax(raw logits) (`SamplingBatch.plain_argmax`): greedy,
+    no penalty, logit_bias or allowed_token_ids, and min_tokens reached, so no stop id is banned. Decided per
+    request, where building the batch is Python per row (verify and draft steps have k + 1 rows per request)."""
+    sp = request.sampling_params
+    return (sp.greedy and not sp.penalized and not sp.logit_bias and sp.allowed_token_ids is None
+            and request.num_output_tokens >= sp.min_tokens)
+
+
 def _as_row(row: RowLike) -> SamplingRow:
     if isinstance(row, SamplingRow):
         return row

@@ -12,8 +12,15 @@ from __future__ import annotations
 import torch
 
 from research_lm.outputs import ScheduledRequest
-from research_lm.request import Logprob, Request
-from research_lm.sampler import SamplingBatch, SamplingRow, compute_probs, gather_logprobs, logprobs_to_dicts
+from research_lm.request import Logprob
+from research_lm.sampler import (
+    SamplingBatch,
+    SamplingRow,
+    compute_probs,
+    gather_logprobs,
+    logprobs_to_dicts,
+    plain_greedy,
+)
 from research_lm.spec import load_rejection_sampler
 
 
@@ -30,7 +37,7 @@ def verify_drafts(
     asks for logprobs) the emitted tokens' logprobs."""
     reqs = sorted({i for i, _ in sample_rows})
     batch = None
-    if not _argmax_only([scheduled[i].request for i in reqs]):  # per row: positions, bans, penalties' state
+    if not all(plain_greedy(r) and r.sampling_params.logprobs is None for r in (scheduled[i].request for i in reqs)):
         rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
         batch = SamplingBatch.build(rows, vocab_size, device)
     drafts = [scheduled[i].spec_token_ids for i in reqs]
@@ -59,19 +66,6 @@ def verify_drafts(
     logprobs = None if batch is None or batch.max_num_logprobs is None else _emitted_logprobs(
         logits, sample_rows, batch, emitted)
     return emitted, num_rejected, logprobs
-
-
-def _argmax_only(requests: list[Request]) -> bool:
-    """`SamplingBatch.argmax_only` of the step's rows, decided per request without building the batch (per-row
-    Python that grows with batch x (k + 1)): greedy, no penalty, logit_bias, allowed_token_ids or logprobs, and
-    min_tokens reached (its rows sit at or past the request's output count, so none is banned)."""
-    for r in requests:
-        sp = r.sampling_params
-        if not (sp.greedy and sp.logprobs is None and not sp.logit_bias and sp.allowed_token_ids is None
-                and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
-                and r.num_output_tokens >= sp.min_tokens):
-            return False
-    return True
 
 
 def _emitted_logprobs(

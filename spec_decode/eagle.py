@@ -54,7 +54,7 @@ from research_lm.models.layers import (
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
 from research_lm.ops import use_fused
-from research_lm.request import Request
+from research_lm.sampler import plain_greedy
 from research_lm.spec import Proposal, StepOutcome
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
@@ -331,7 +331,7 @@ class EagleProposer:
                 or common.max_query_len != q or common.num_tokens != q * len(reqs)):
             return None
         computed = common.num_computed_tokens_cpu.tolist()
-        if not all(c + 1 == r.num_tokens and _plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
+        if not all(c + 1 == r.num_tokens and plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
             return None
         # Each request's room before this step's tokens; the graph subtracts what it emits (`draft_budget`).
         rooms = [tokens_left(r, self.max_model_len) for r in reqs]
@@ -410,14 +410,6 @@ class EagleProposer:
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         pass  # no per-request state: each step recomputes from the target's computed tokens
-
-
-def _plain_greedy(req: Request) -> bool:
-    """Its next tokens, drafts included, are the argmax of raw logits: greedy, and no penalty, logit_bias,
-    allowed_token_ids or min_tokens ban (`SamplingBatch.plain_argmax` at every position from here on)."""
-    sp = req.sampling_params
-    return (sp.greedy and not sp.penalized and sp.logit_bias is None and sp.allowed_token_ids is None
-            and req.num_output_tokens >= sp.min_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------

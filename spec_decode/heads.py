@@ -29,7 +29,14 @@ from research_lm import rng
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import checkpoint_files, iter_checkpoint, resolve_model_path
 from research_lm.request import PLACEHOLDER, Request
-from research_lm.sampler import SamplingBatch, SamplingRow, probs_from_processed, process_logits, random_sample
+from research_lm.sampler import (
+    SamplingBatch,
+    SamplingRow,
+    plain_greedy,
+    probs_from_processed,
+    process_logits,
+    random_sample,
+)
 from research_lm.spec import PendingDrafts, Proposal
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 
@@ -231,6 +238,8 @@ class Drafting:
         or min-p), else None.
         A ban only shrinks as the position grows, so what holds at draft 1 holds for the rest of the chain.
         Logprobs do not matter: drafts never return them (`pick_tokens` ignores them too)."""
+        if all(plain_greedy(r) for r in self.requests):  # the common case, without a batch's per-row Python
+            return "argmax"
         rows = [self._row(a) for a in range(len(self.index))]
         batch = SamplingBatch.build(rows, vocab_size)
         if not batch.no_penalties or batch.banned_rows is not None or batch.biased:

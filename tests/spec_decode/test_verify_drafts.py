@@ -1,5 +1,5 @@
-"""verify_drafts' argmax-only shortcut (no per-row sampling batch) decides exactly when the full path would take
-argmax, and emits what the full path emits."""
+"""verify_drafts' argmax-only shortcut (`plain_greedy` per request, no per-row sampling batch) decides exactly when
+the full path would take argmax, and emits what the full path emits."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import research_lm.verification as verification
 from research_lm.outputs import ScheduledRequest
 from research_lm.request import Request
-from research_lm.sampler import SamplingBatch, SamplingRow
+from research_lm.sampler import SamplingBatch, SamplingRow, plain_greedy
 from research_lm.sampling_params import SamplingParams
 
 VOCAB, K = 11, 3
@@ -46,11 +46,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
 ])
 def test_the_shortcut_agrees_with_the_sampling_batch_and_the_full_path(other, shortcut, monkeypatch):
     scheduled, sample_rows, logits = _step([GREEDY, other, GREEDY, GREEDY])
-    assert verification._argmax_only([s.request for s in scheduled]) is shortcut
+    assert all(plain_greedy(s.request) and s.request.sampling_params.logprobs is None for s in scheduled) is shortcut
     rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
     assert SamplingBatch.build(rows, VOCAB, "cpu").argmax_only is shortcut
     got = verification.verify_drafts(scheduled, sample_rows, logits, None, {}, VOCAB, torch.device("cpu"))
-    monkeypatch.setattr(verification, "_argmax_only", lambda requests: False)
+    monkeypatch.setattr(verification, "plain_greedy", lambda request: False)
     want = verification.verify_drafts(scheduled, sample_rows, logits, None, {}, VOCAB, torch.device("cpu"))
     assert got[0] == want[0] and got[1] == want[1]
     if shortcut:
