@@ -203,15 +203,16 @@ class Scheduler:
     def _num_new_tokens_running(self, request: Request, budget: int) -> tuple[int, list[int]]:
         """Tokens to compute for a running request and the drafts among them (a prefix of its drafts).
 
-        Drafts are trimmed to those whose acceptance could still be kept: k drafts emit up to k + 1
-        tokens, bounded by max_model_len and max_tokens."""
+        Drafts are trimmed only where their positions would pass max_model_len (k drafts emit up to k + 1
+        tokens). Near max_tokens a request still verifies all of them and the stop check drops what lies
+        past it: the step's requests keep one query length, so the step keeps its CUDA graph paths (the
+        uniform inputs, drafting behind the verify forward), for at most k tokens of wasted rows."""
         num_tokens, num_computed = request.num_tokens, request.num_computed_tokens
         room = self.max_model_len - num_tokens
         max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens)
-        if room <= 0 and request.num_output_placeholders:
-            return 0, []
+        if request.num_output_placeholders and (
+                room <= 0 or (max_tokens is not None and request.num_output_tokens >= max_tokens)):
+            return 0, []  # async: its in-flight token is its last
         if not request.spec_token_ids:  # the common case: no drafts
             num_new = min(num_tokens - num_computed, budget)
             assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"

@@ -157,16 +157,15 @@ def token_span(req: Request, emitted: Sequence[int], start: int, end: int) -> li
 
 
 def tokens_left(req: Request, max_model_len: int, num_emitted: int = 0) -> int:
-    """Tokens the request may still produce after `num_emitted` more: max_model_len and max_tokens both bound it."""
-    room = max_model_len - (req.num_tokens + num_emitted)
-    max_tokens = req.sampling_params.max_tokens
-    if max_tokens is not None:
-        room = min(room, max_tokens - (req.num_output_tokens + num_emitted))
-    return room
+    """Positions the request may still fill after `num_emitted` more tokens: max_model_len bounds it. max_tokens
+    does not: drafts past it are verified and their tokens dropped, as the scheduler does (`Scheduler.
+    _num_new_tokens_running`), so that near its end a request drafts k like the others and the step stays uniform."""
+    return max_model_len - (req.num_tokens + num_emitted)
 
 
 def draft_budget(req: Request, emitted: Sequence[int], k: int, max_model_len: int) -> int:
-    """Drafts worth proposing: the scheduler keeps at most room - 1 (k drafts emit up to k + 1 tokens)."""
+    """Drafts worth proposing: the scheduler keeps at most room - 1 (k drafts emit up to k + 1 tokens). A request
+    that emitted nothing (a prompt chunk that did not reach its end) drafts nothing."""
     if not emitted:
         return 0
     return max(0, min(k, tokens_left(req, max_model_len, len(emitted)) - 1))

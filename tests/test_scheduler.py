@@ -530,7 +530,7 @@ def test_rejected_drafts_roll_back_num_computed_tokens():
     assert (req.num_draft_tokens, req.num_accepted_tokens) == (5, 1)
 
 
-def test_drafts_are_trimmed_by_budget_max_tokens_and_max_model_len():
+def test_drafts_are_trimmed_by_budget_and_max_model_len_not_max_tokens():
     sched = make_scheduler(block_size=2, budget=3, max_model_len=12)
     req = make_request(0, [1, 2, 3], max_tokens=20)
     sched.add_request(req)
@@ -546,8 +546,11 @@ def test_drafts_are_trimmed_by_budget_max_tokens_and_max_model_len():
     req2 = make_request(1, [1, 2, 3], max_tokens=3)
     sched.add_request(req2)
     scripted_step(sched, {"r1": [4]}, {"r1": [1] * 8})
-    so, _ = scripted_step(sched, {"r1": [1, 1]})
-    assert so.scheduled[0].spec_token_ids == [1]  # 2 outputs left: 1 draft + bonus
+    so, _ = scripted_step(sched, {"r1": [1, 1, 1, 1]})
+    # 2 outputs left, but drafts stop only at max_model_len (4 tokens of 12: 7 drafts), within the budget of 10;
+    # the stop check keeps 2 of the 4 emitted tokens
+    assert so.scheduled[0].spec_token_ids == [1] * 7
+    assert req2.output_token_ids == [4, 1, 1] and req2.finish_reason == "length"
 
 
 def test_abort_waiting_and_running_requests():

@@ -33,7 +33,7 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 7)]  # three requests: padded to 4
 
 
-def _greedy() -> list[SamplingParams]:  # different lengths: budgets < k at each request's end, batch shrinks
+def _greedy() -> list[SamplingParams]:  # different lengths: the batch shrinks
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 7, 5)]
 
 
@@ -101,14 +101,15 @@ def _pair(path: str, spec: dict, device: str, capture, **knobs) -> tuple[LLM, LL
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
 def test_graph_chain_drafts_what_the_eager_chain_drafts(kind, tiny_checkpoint, tmp_path):
     checkpoint = tiny_checkpoint("llama")
-    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
+    # max_model_len 16: request 1 (9 + 7 tokens) ends at it, where its draft budgets fall below k
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture, max_model_len=16)
     prompts = _prompts()
     want, want_proposals, _ = _run(eager, prompts, _greedy())
     graphs, cuts = llm.engine.runner.proposer.graphs, []
     graphs.split = lambda lens, *rows: cuts.append(DraftGraphs.split(graphs, lens, *rows)) or cuts[-1]
     got, proposals, replays = _run(llm, prompts, _greedy())
-    assert got == want == [o.outputs[0].token_ids for o in LLM(str(checkpoint), device="cpu", **KNOBS).generate(
-        prompts, _greedy(), use_tqdm=False)]
+    assert got == want == [o.outputs[0].token_ids for o in LLM(
+        str(checkpoint), device="cpu", **(KNOBS | {"max_model_len": 16})).generate(prompts, _greedy(), use_tqdm=False)]
     assert _same_proposals(proposals, want_proposals)
     drafted = [r.drafting for r in replays]
     assert 3 in drafted and 1 in drafted  # padded (3 -> 4) and single-request replays both ran
