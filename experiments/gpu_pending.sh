@@ -39,8 +39,9 @@
 # Session 17 ran `match` on the 24-layer target (1.0 in float32 and bfloat16 at 48 tokens) and a `waves` block (4 x batch
 # requests; removed: it showed eager mixed steps, now avoided by runner.separate_prefills, and spec_ablation_h200 now
 # runs 4 x batch requests itself), and the GPU tests of test_separate_prefills, test_async_scheduling and
-# test_spec_greedy_identity at 14ddbd1: all passed. Not run on a GPU since: the plain_greedy shortcut's draft path
-# (`tests` covers it).
+# test_spec_greedy_identity at 14ddbd1, and `pytest -m gpu tests/spec_decode tests/engine tests/test_cuda_graphs.py` at
+# 5db887c (28 passed; at 7782e71 a cuBLAS failure during graph capture in test_drafting_before_verification_on_cuda[eagle]
+# showed twice in four runs and then not again: watch for it).
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
