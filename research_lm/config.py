@@ -54,6 +54,10 @@ class EngineConfig:
     # batch against ~1 ms per replay (research_lm/scheduler.py). None: on wherever prefill graphs were captured;
     # True: also without graphs (any prompt within max_num_batched_tokens; to ablate the policy); False: off.
     separate_prefills: bool | None = None
+    # torch's CPU threads, process-wide (torch.set_num_threads). None: 1 on CUDA, where a step's host tensors are
+    # tiny and a pool of threads waking for them adds jitter to every step (PERFORMANCE.md, sixteenth pass); a CPU
+    # run keeps torch's default, since its forward runs on those threads.
+    host_threads: int | None = None
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (speed runs, vLLM's name)
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
 
@@ -79,6 +83,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
         if self.prefill_graph_sizes is not None and not all(int(s) >= 1 for s in self.prefill_graph_sizes):
             raise ValueError(f"prefill_graph_sizes must be positive prompt lengths, got {self.prefill_graph_sizes}")
+        if self.host_threads is not None and self.host_threads < 1:
+            raise ValueError(f"host_threads must be >= 1 (or None), got {self.host_threads}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), got {self.num_gpu_blocks}")
 

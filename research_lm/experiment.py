@@ -210,6 +210,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         prefill_graph_sizes=_list_or_none(r.get("prefill_graph_sizes")),
         fused_ops=r.get("fused_ops", True), compile=r.get("compile", False),
         async_scheduling=r.get("async_scheduling"), separate_prefills=r.get("separate_prefills"),
+        host_threads=r.get("host_threads"),
         load_format=m.get("load_format", "auto"),
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from research_lm import LLM, SamplingParams
 
@@ -179,3 +180,17 @@ def test_n_must_be_positive_and_the_engine_takes_one():
     engine = LLM("tiny-llama", device="cpu", max_model_len=32).engine
     req = engine.add_request([5, 6], SamplingParams(n=2))
     assert req.finish_reason == "error" and "LLM.generate" in req.error
+
+
+def test_host_threads_sets_torch_threads_and_a_cpu_run_keeps_its_own_by_default():
+    before = torch.get_num_threads()
+    try:
+        LLM("tiny-llama", device="cpu", host_threads=1)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        LLM("tiny-llama", device="cpu")  # None on a CPU: unchanged (the forward runs on these threads)
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="host_threads must be >= 1"):
+            LLM("tiny-llama", device="cpu", host_threads=0)
+    finally:
+        torch.set_num_threads(before)
