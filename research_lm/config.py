@@ -54,9 +54,9 @@ class EngineConfig:
     # batch against ~1 ms per replay (research_lm/scheduler.py). None: on wherever prefill graphs were captured;
     # True: also without graphs (any prompt within max_num_batched_tokens; to ablate the policy); False: off.
     separate_prefills: bool | None = None
-    # torch's CPU threads, process-wide (torch.set_num_threads). None: 1 on CUDA, where a step's host tensors are
-    # tiny and a pool of threads waking for them adds jitter to every step (PERFORMANCE.md, sixteenth pass); a CPU
-    # run keeps torch's default, since its forward runs on those threads.
+    # torch's CPU threads, process-wide (torch.set_num_threads); None: torch's default. On CUDA a step's host tensors
+    # are tiny, and OMP_NUM_THREADS=1 made batch-1 speculative steps steadier on an H100 (PERFORMANCE.md, sixteenth
+    # pass); whether 1 should be the CUDA default is still to measure with this knob.
     host_threads: int | None = None
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (speed runs, vLLM's name)
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs

@@ -44,8 +44,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device = config.resolve_device()
-        if config.host_threads is not None or device.type == "cuda":
-            torch.set_num_threads(config.host_threads or 1)
+        if config.host_threads is not None:
+            torch.set_num_threads(config.host_threads)
         self.ep = setup_expert_parallel(config.eplb_config, device)  # eplb.expert_parallel, under torchrun
         extra = config.model_extra()
         if self.ep is not None:  # experts sharded over the ranks, everything else replicated

@@ -182,13 +182,13 @@ def test_n_must_be_positive_and_the_engine_takes_one():
     assert req.finish_reason == "error" and "LLM.generate" in req.error
 
 
-def test_host_threads_sets_torch_threads_and_a_cpu_run_keeps_its_own_by_default():
+def test_host_threads_sets_torch_threads_and_none_leaves_them():
     before = torch.get_num_threads()
     try:
         LLM("tiny-llama", device="cpu", host_threads=1)
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
-        LLM("tiny-llama", device="cpu")  # None on a CPU: unchanged (the forward runs on these threads)
+        LLM("tiny-llama", device="cpu")  # None: unchanged
         assert torch.get_num_threads() == 2
         with pytest.raises(ValueError, match="host_threads must be >= 1"):
             LLM("tiny-llama", device="cpu", host_threads=0)
