@@ -210,8 +210,8 @@ class Scheduler:
         num_tokens, num_computed = request.num_tokens, request.num_computed_tokens
         room = self.max_model_len - num_tokens
         max_tokens = request.sampling_params.max_tokens
-        if request.num_output_placeholders and (
-                room <= 0 or (max_tokens is not None and request.num_output_tokens >= max_tokens)):
+        at_limit = room <= 0 or (max_tokens is not None and request.num_output_tokens >= max_tokens)
+        if at_limit and request.num_output_placeholders:
             return 0, []  # async: its in-flight token is its last
         if not request.spec_token_ids:  # the common case: no drafts
             num_new = min(num_tokens - num_computed, budget)
