@@ -41,8 +41,9 @@ class StepBuffers:
         self.request_rows = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
         self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
         # A uniform graph step's inputs in one copy (`ModelRunner._prepare_uniform`): per token its value, or
-        # -1 - its index in the device tokens holding it; then per request its start position, then its row; then n.
-        self.staging = CpuGpuBuffer(max_num_tokens + 2 * max_num_reqs + 1, dtype=torch.int64, device=device)
+        # -1 - its index in the device tokens holding it; then per request its start position, then its row; then n;
+        # then, for a step launched before the last was verified, per request its index in the start shifts.
+        self.staging = CpuGpuBuffer(max_num_tokens + 3 * max_num_reqs + 1, dtype=torch.int64, device=device)
         # PLACEHOLDER inputs: token rows [:h], then the flat index of each one's token in its `DeviceTokens` [h:2h]
         self.holes = CpuGpuBuffer(2 * max_num_tokens, dtype=torch.int64, device=device)
 
@@ -62,6 +63,10 @@ class DeviceTokens:
     ids: torch.Tensor  # 1-D
     first: dict[str, int]
     stride: int = 1
+    # A speculative step's next inputs (its newest token, then its drafts), left before the host knows how many
+    # drafts it accepted: the host stages each request's next start as if it accepted all of them, and the request's
+    # true start is that plus start_shift[first[request id]] (<= 0).
+    start_shift: torch.Tensor | None = None
 
 
 

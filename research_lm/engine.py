@@ -105,20 +105,19 @@ class LLMEngine:
             stop_strings=StopStrings(self.tokenizer) if self.tokenizer is not None else None,
             separate_prefill_tokens=self._separate_prefill_tokens(config.separate_prefills),
         )
-        self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device, proposer)
+        self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device)
+        self.runner.defer_verification = self.async_scheduling
         self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
         self._rejected: list[Request] = []  # failed validation: reported at the next step
         self._prompt_text: dict[str, str] = {}  # request id -> the prompt string, when one was given
 
-    def _resolve_async_scheduling(self, asked: bool | None, device: torch.device, proposer) -> bool:
-        blocker = ("speculative decoding (drafting needs each step's tokens on the host)" if proposer is not None
-                   else "expert parallelism (rank 0's tokens are broadcast every step)" if self.ep is not None
-                   else None)
-        if asked and blocker:
-            raise ValueError(f"async_scheduling=True does not combine with {blocker}; leave it unset or False")
-        return blocker is None and (asked if asked is not None else device.type == "cuda")
+    def _resolve_async_scheduling(self, asked: bool | None, device: torch.device) -> bool:
+        if asked and self.ep is not None:
+            raise ValueError("async_scheduling=True does not combine with expert parallelism (rank 0's tokens are "
+                             "broadcast every step); leave it unset or False")
+        return self.ep is None and (asked if asked is not None else device.type == "cuda")
 
     def _separate_prefill_tokens(self, asked: bool | None) -> int:
         """The scheduler's `separate_prefill_tokens`: the longest captured prefill graph (None: only where there
@@ -247,21 +246,31 @@ class LLMEngine:
     def _step_async(self) -> list[Request]:
         """Launch the next step, then collect the one in flight: the host's scheduling and input preparation
         of step N + 1 run while the device computes step N. Nothing is scheduled ahead when that could
-        preempt or needs token values (`Scheduler.can_schedule_ahead`): then this step only collects, and the
-        next one starts from a fully known state."""
+        preempt or needs token values (`_can_launch_ahead`): then this step only collects, and the next one
+        starts from a fully known state."""
         t0 = time.perf_counter()
         if self._in_flight is None:
             if not self.scheduler.has_unfinished_requests():
                 return []
             self._in_flight = self._launch()
         collecting, self._in_flight = self._in_flight, None
-        if self.scheduler.has_unfinished_requests() and self.scheduler.can_schedule_ahead():
+        if self._can_launch_ahead(collecting):
             ahead = self._launch()
             self._in_flight = ahead if ahead.sched.scheduled else None  # an empty step ran whole in launch
         out = self.runner.collect(collecting)
         finished = self.scheduler.update_from_output(collecting.sched, out)
         self.metrics.record_step(collecting.sched, out, self.scheduler.stats(), time.perf_counter() - t0)
         return finished
+
+    def _can_launch_ahead(self, step: PendingStep) -> bool:
+        """Without a proposer: whenever scheduling cannot preempt. With one, only after a verify step that left
+        its requests' next inputs on the device (its verification deferred to `collect`): a step of other
+        tokens would need its drafts' or its tokens' values on the host."""
+        if not self.scheduler.has_unfinished_requests():
+            return False
+        if self.runner.proposer is None:
+            return self.scheduler.can_schedule_ahead()
+        return self.runner.continues_on_device(step) and self.scheduler.can_schedule_ahead(step.sched)
 
     def _launch(self) -> PendingStep:
         sched = self.scheduler.schedule()

@@ -42,7 +42,7 @@ from research_lm.cuda_graphs import (
     unsupported_reason,
 )
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from research_lm.request import Request
+from research_lm.request import PLACEHOLDER, Request
 from research_lm.rng import to_device
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from research_lm.spec import Proposal, Proposer, StepOutcome
@@ -72,8 +72,9 @@ class RequestRows:
 
 @dataclass
 class PendingStep:
-    """A launched step: its output when already known (speculative steps, empty steps), else the sampled
-    ids on their way to `host_ids` (ready when `copied` has fired) and what `collect` needs to finish."""
+    """A launched step: its output when already known (most speculative steps, empty steps), else the sampled
+    ids (a deferred verify step: the verify's argmax) on their way to `host_ids` (ready when `copied` has fired)
+    and what `collect` needs to finish."""
 
     sched: SchedulerOutput
     output: RunnerOutput | None = None
@@ -82,6 +83,9 @@ class PendingStep:
     sample_rows: list[tuple[int, int]] | None = None
     sampled: SamplerOutput | None = None
     batch: SamplingBatch | None = None
+    # A deferred verify step (`defer_verification`): what the proposer drafted from, the step's input ids on their
+    # way to the host (its drafts' values), and when its launch began.
+    verifying: tuple[StepOutcome, torch.Tensor, float] | None = None
 
 
 class ModelRunner:
@@ -133,6 +137,13 @@ class ModelRunner:
         self._uniform: UniformInputs | None = None  # made at the first uniform step
         # Fires when a step's inputs have left the pinned host buffers, which the next step overwrites.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
+        # Async scheduling (the engine sets it): a verify step that drafts behind its verify forward leaves its
+        # verification to `collect`, and the next step's inputs on the device (`_ahead`), so that the engine may
+        # launch that step before this one's tokens reach the host.
+        self.defer_verification = False
+        self._ahead: DeviceTokens | None = None  # the last deferred step's next inputs, while it is the latest
+        self._latest: PendingStep | None = None  # the last launched step
+        self._host_inputs = HostIds(max_num_batched_tokens, device)  # a deferred step's input ids, to the host
         if proposer is not None and proposer.aux_hidden_state_layers:
             model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
 
@@ -183,7 +194,8 @@ class ModelRunner:
                            block_size=self.block_size,
                            max_blocks_per_req=self.buffers.block_table.gpu.shape[1],
                            verified_inputs=None if self.cuda_graphs.greedy_ids is None
-                           else (self.cuda_graphs.greedy_ids, self.buffers.input_ids.gpu))
+                           else (self.cuda_graphs.greedy_ids, self.buffers.input_ids.gpu,
+                                 self.buffers.positions.gpu))
         return None
 
     # ---- one step -------------------------------------------------------------------------------
@@ -191,9 +203,19 @@ class ModelRunner:
         """Run one step to the end (launch, then collect)."""
         return self.collect(self.launch(sched))
 
-    @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:
-        """Enqueue one step; a plain-decoding step returns before its tokens reach the host."""
+        """Enqueue one step; a plain-decoding step (and a deferred verify step) returns before its tokens reach the
+        host."""
+        self._latest = self._launch(sched)
+        return self._latest
+
+    def continues_on_device(self, step: PendingStep) -> bool:
+        """Whether the next step of `step`'s requests can be launched before `step` is collected: it is a deferred
+        verify step, nothing was launched after it, and its requests' next inputs wait on the device."""
+        return step.verifying is not None and step is self._latest and self._ahead is not None and self.uniform_inputs
+
+    @torch.inference_mode()
+    def _launch(self, sched: SchedulerOutput) -> PendingStep:
         gone = sched.finished_req_ids | sched.preempted_req_ids
         self.rows.remove(gone)
         for req_id in gone:
@@ -232,6 +254,8 @@ class ModelRunner:
         if not any(s.spec_token_ids for s in scheduled):
             output = self.collect(self._launch_sampling(sched, sample_rows, logits, greedy_ids))
             num_rejected = [0] * len(scheduled)
+        elif (deferred := self._defer_verification(sched, outcome, sample_rows, t0)) is not None:
+            return deferred
         else:
             if self._pending is not None:
                 self._fill_drafts(scheduled)  # waits for the drafts' copy, queued before this step's forward
@@ -254,6 +278,58 @@ class ModelRunner:
             self._pending = (proposal, outcome.requests)
         self.draft_probs.update(proposal.probs)
         return PendingStep(sched, output=output)
+
+    def _defer_verification(self, sched: SchedulerOutput, outcome: StepOutcome, sample_rows: list[tuple[int, int]],
+                            t0: float) -> PendingStep | None:
+        """With `defer_verification`, a verify step whose proposer drafts behind the verify forward
+        (`propose_before_verification`) launches that drafting and returns without waiting for anything: the
+        verify's argmax and input ids are on their way to the host, where `collect` verifies, and the drafting
+        left each request's next inputs on the device (`ahead_inputs`). None where the step does not qualify."""
+        early = getattr(self.proposer, "propose_before_verification", None)
+        if not self.defer_verification or early is None or outcome.greedy_ids is None:
+            return None
+        launch = early(outcome)
+        if not launch:
+            return None
+        t = outcome.common.num_tokens
+        host_ids, _ = self._host_ids.start_copy(outcome.greedy_ids[:t])
+        host_inputs, copied = self._host_inputs.start_copy(outcome.input_ids[:t])  # fires after both copies
+        launch()
+        if self._pending is not None:  # this step's drafts: `collect` reads their values from its input ids
+            proposal, requests = self._pending
+            here = {s.request.request_id for s in sched.scheduled}
+            if any(r.request_id not in here and PLACEHOLDER in r.spec_token_ids for r in requests):
+                self._fill_drafts(sched.scheduled)  # a request that was not scheduled holds some: resolve them
+            self._pending = None
+        self._ahead = self.proposer.ahead_inputs(outcome)
+        return PendingStep(sched, host_ids=host_ids, copied=copied, sample_rows=sample_rows,
+                           verifying=(outcome, host_inputs, t0))
+
+    def _collect_deferred(self, pending: PendingStep) -> RunnerOutput:
+        """Verify a deferred step on the host; the latest launched step then also hands out its proposal (nothing
+        was launched after it, so the next step starts from these drafts, as a synchronous step would)."""
+        outcome, host_inputs, t0 = pending.verifying
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        scheduled, q = pending.sched.scheduled, outcome.common.max_query_len
+        inputs = host_inputs.tolist()
+        for i, s in enumerate(scheduled):
+            s.spec_token_ids = inputs[i * q + 1 : (i + 1) * q]  # the drafts it verified, as the device held them
+        emitted, num_rejected, _ = verify_drafts(scheduled, pending.sample_rows, None, pending.host_ids,
+                                                 self.draft_probs, self.vocab_size, self.device)
+        output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
+                              num_draft_tokens=[q - 1] * len(scheduled))
+        output.verify_ms = (time.perf_counter() - t0) * 1e3
+        outcome.emitted, outcome.num_rejected = emitted, num_rejected
+        if pending is self._latest:
+            self._ahead = None
+            t1 = time.perf_counter()
+            proposal = self.proposer.propose(outcome)
+            output.draft_ms = (time.perf_counter() - t1) * 1e3
+            output.draft_token_ids = proposal.token_ids
+            if proposal.pending is not None:
+                self._pending = (proposal, outcome.requests)
+        return output
 
     def _drafting_before_verification(self, outcome: StepOutcome) -> torch.Tensor | None:
         """Where the proposer can draft behind the verify forward (`propose_before_verification`), the verify's
@@ -322,6 +398,8 @@ class ModelRunner:
         """Wait for a launched step's tokens; its RunnerOutput."""
         if pending.output is not None:
             return pending.output
+        if pending.verifying is not None:
+            return self._collect_deferred(pending)
         if pending.copied is not None:
             pending.copied.synchronize()
         scheduled = pending.sched.scheduled
@@ -351,6 +429,7 @@ class ModelRunner:
         if (self.uniform_inputs and self.cuda_graphs is not None
                 and (key := uniform_graph_key(self.cuda_graphs, scheduled)) is not None):
             return self._prepare_uniform(scheduled, key)
+        assert self._ahead is None, "a step launched ahead of a deferred verify step must be uniform"
         step = prepare_step_inputs(self.buffers, scheduled, self.rows, self.block_size, self.cuda_graphs)
         if len(step.holes):
             qsl = self.buffers.query_start_loc.np[: len(scheduled) + 1]
@@ -373,9 +452,11 @@ class ModelRunner:
         return common, [(i, j) for i in range(len(scheduled)) for j in range(q)], key, None
 
     def _held_tokens(self) -> DeviceTokens | None:
-        """Where a step's PLACEHOLDER inputs wait on the device: the last proposal's drafts, or else (async
-        scheduling) the last launched step's sampled ids."""
-        return self._pending[0].pending.tokens if self._pending is not None else self._last_sampled
+        """Where a step's PLACEHOLDER inputs wait on the device: the last proposal's drafts; or else (async
+        scheduling) the next inputs a deferred verify step left, or the last launched step's sampled ids."""
+        if self._pending is not None:
+            return self._pending[0].pending.tokens
+        return self._ahead if self._ahead is not None else self._last_sampled
 
     def _fill_holes(self, input_ids: torch.Tensor, holes: np.ndarray, reqs: np.ndarray, qsl: np.ndarray,
                     scheduled: list[ScheduledRequest]) -> None:

@@ -16,13 +16,16 @@ Invariants (asserted by tests/test_scheduler.py):
   previous step (a runner ignores ids it does not hold, e.g. a request aborted while waiting).
 
 Async scheduling (`LLMEngine` with `async_scheduling`): the engine schedules and launches step N + 1 before
-it collects step N. `assume_launched(N)` advances N's requests as if each sampling one emitted one token:
-`num_computed_tokens` moves on and a PLACEHOLDER output token stands for the token still on the device
-(the runner feeds it to step N + 1 from the device). `update_from_output(N)` then writes the real token over
-the placeholder and checks stops; a request that stopped had step N + 1 compute one token for nothing,
-which is dropped. Only known tokens are hashed for prefix caching (penalties count an in-flight token on the device, see
+it collects step N. `assume_launched(N)` advances N's requests as if each emitted all it can: one token, or
+with d drafts all d + 1 (every draft accepted): `num_computed_tokens` moves on and PLACEHOLDER output tokens
+stand for the tokens still on the device (the runner feeds them to step N + 1 from the device), and a request
+that verified drafts holds d PLACEHOLDER drafts for its next step (drafted on the device).
+`update_from_output(N)` then writes the real tokens over the placeholders, drops those of rejected drafts (and
+their computed count) and checks stops; a request that stopped had step N + 1 compute for nothing, which is
+dropped. Only known tokens are hashed for prefix caching (penalties count an in-flight token on the device, see
 `SamplingBatch.build`). Scheduling ahead never preempts: `can_schedule_ahead` holds only when the free blocks
-cover every running request's next step; otherwise the engine collects first.
+cover every running request's next step; otherwise the engine collects first. Ahead of a verify step it also
+needs the same requests to verify all their drafts again (no admission, room below max_model_len).
 
 Runner contract: a scheduled request computes positions [num_computed_tokens, num_computed_tokens +
 num_new_tokens) of `all_token_ids + spec_token_ids`, reading `request.num_computed_tokens` before
@@ -211,8 +214,8 @@ class Scheduler:
         room = self.max_model_len - num_tokens
         max_tokens = request.sampling_params.max_tokens
         at_limit = room <= 0 or (max_tokens is not None and request.num_output_tokens >= max_tokens)
-        if at_limit and request.num_output_placeholders:
-            return 0, []  # async: its in-flight token is its last
+        if at_limit and request.num_output_placeholders and not request.spec_token_ids:
+            return 0, []  # async: its in-flight token is its last (in-flight drafts may be rejected: no such rule)
         if not request.spec_token_ids:  # the common case: no drafts
             num_new = min(num_tokens - num_computed, budget)
             assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
@@ -281,27 +284,39 @@ class Scheduler:
         return True
 
     # ---- async scheduling --------------------------------------------------------------------
-    def can_schedule_ahead(self) -> bool:
+    def can_schedule_ahead(self, verifying: SchedulerOutput | None = None) -> bool:
         """Whether the next step may be scheduled before the running step's tokens are known: the free blocks
-        cover every running request's next step, so scheduling cannot preempt."""
+        cover every running request's next step, so scheduling cannot preempt. `verifying`: the running step is
+        a verify step whose drafting left the next inputs on the device; the next step must then be its requests
+        again, each verifying all its drafts: nobody else running, no admission, and room below max_model_len for
+        the drafts and for what the next step emits (drafting reads the room before it is known)."""
+        if verifying is not None:
+            ids = {s.request.request_id for s in verifying.scheduled}
+            if self.waiting and len(self.running) < self.max_num_seqs:
+                return False
+            if any(r.request_id not in ids or r.num_tokens + 2 * (len(r.spec_token_ids) + 1) > self.max_model_len
+                   for r in self.running):
+                return False
         bs, need = self.kv_cache.block_size, 0
         for r in self.running:
-            n = min(r.num_tokens - r.num_computed_tokens, self.max_num_batched_tokens)
+            n = min(r.num_tokens - r.num_computed_tokens + len(r.spec_token_ids), self.max_num_batched_tokens)
             slots = r.num_computed_tokens + n + self.num_lookahead_tokens
             need += max(0, -(-slots // bs) - self.kv_cache.num_blocks_of(r.request_id))
         return need <= self.kv_cache.num_free_blocks
 
     def assume_launched(self, scheduler_output: SchedulerOutput) -> None:
         """Advance the requests of a launched step before its tokens are known: the scheduled tokens count
-        as computed, and a request whose chunk reaches its last token gets a PLACEHOLDER output token."""
+        as computed, and a request whose chunk reaches its last token gets a PLACEHOLDER output token for each
+        token it may emit (its drafts + 1) and, if it verified drafts, as many PLACEHOLDER drafts for its next step."""
         scheduler_output.assumed = True
         for sched in scheduler_output.scheduled:
             request = sched.request
-            assert not sched.spec_token_ids, "async scheduling does not verify drafts"
             request.num_computed_tokens += sched.num_new_tokens
             if request.num_computed_tokens >= request.num_tokens:
-                request.output_token_ids.append(PLACEHOLDER)
-                request.num_output_placeholders += 1
+                emits = len(sched.spec_token_ids) + 1
+                request.output_token_ids += [PLACEHOLDER] * emits
+                request.num_output_placeholders += emits
+                request.spec_token_ids = [PLACEHOLDER] * len(sched.spec_token_ids)
 
     # ---- update ------------------------------------------------------------------------------
     def update_from_output(
@@ -318,15 +333,15 @@ class Scheduler:
                 continue
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
             if scheduler_output.assumed:
-                self._resolve(request, runner_output.sampled_token_ids[i], logprobs)
+                self._resolve(request, sched, runner_output.sampled_token_ids[i], logprobs)
             else:
                 self._advance(request, sched, runner_output.sampled_token_ids[i], logprobs)
             if request.finish_reason is not None:
                 finished.append(request)
                 continue
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
-            if runner_output.draft_token_ids:
-                request.spec_token_ids = list(runner_output.draft_token_ids.get(request.request_id, ()))
+            if not request.num_output_placeholders:  # no later step in flight: its next drafts are this step's
+                request.spec_token_ids = list((runner_output.draft_token_ids or {}).get(request.request_id, ()))
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
@@ -347,7 +362,6 @@ class Scheduler:
         num_rejected = num_drafts + 1 - len(sampled) if sampled else 0
         assert 0 <= num_rejected <= num_drafts, f"{len(sampled)} tokens for {num_drafts} drafts"
         request.num_computed_tokens += sched.num_new_tokens - num_rejected
-        request.spec_token_ids = []
         if num_drafts:
             request.num_draft_tokens += num_drafts
             request.num_accepted_tokens += len(sampled) - 1
@@ -364,25 +378,35 @@ class Scheduler:
         # After a stop inside accepted drafts, computed KV past the last kept token is moot.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
 
-    def _resolve(self, request: Request, sampled: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
-        """Async scheduling: write a collected token over the request's oldest placeholder and check
+    def _resolve(self, request: Request, sched: ScheduledRequest, sampled: list[int],
+                 logprobs: list[dict[int, Logprob]] | None) -> None:
+        """Async scheduling: write a step's collected tokens over the request's oldest placeholders (those the
+        step assumed: its drafts + 1), drop the rest with the computed count of its rejected drafts, and check
         stops; a stop drops the later placeholders (their step computed for nothing)."""
         if not sampled:  # a prompt chunk that did not reach the end
             return
-        (token,) = sampled
+        num_drafts = len(sched.spec_token_ids)
+        assumed = num_drafts + 1
+        assert 1 <= len(sampled) <= assumed, f"{len(sampled)} tokens for {num_drafts} drafts"
         j = request.num_output_tokens - request.num_output_placeholders  # the oldest placeholder
-        request.output_token_ids[j] = token
-        request.num_output_placeholders -= 1
-        if logprobs:
-            request.output_logprobs.append(logprobs[0])
-        if request.first_token_time is None:
-            request.first_token_time = time.perf_counter()
-        reason = self._check_stop(request, token, j + 1)
-        if reason is not None:
-            request.finish_reason = reason
-            del request.output_token_ids[j + 1 :]
-            request.num_output_placeholders = 0
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        request.output_token_ids[j : j + assumed] = sampled
+        request.num_output_placeholders -= assumed
+        request.num_computed_tokens -= assumed - len(sampled)
+        if num_drafts:
+            request.num_draft_tokens += num_drafts
+            request.num_accepted_tokens += len(sampled) - 1
+        for u, token in enumerate(sampled):
+            if logprobs:
+                request.output_logprobs.append(logprobs[u])
+            if request.first_token_time is None:
+                request.first_token_time = time.perf_counter()
+            reason = self._check_stop(request, token, j + u + 1)
+            if reason is not None:
+                request.finish_reason = reason
+                del request.output_token_ids[j + u + 1 :]
+                request.num_output_placeholders = 0
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                return
 
     def _check_stop(self, request: Request, token: int, num_output: int) -> str | None:
         """Whether `token`, the request's output number `num_output`, stops it."""

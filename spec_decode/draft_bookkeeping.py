@@ -8,8 +8,10 @@ nothing the forwards compute, so one program computes them all before the entry 
 
 The numbers are `spec_decode.draft_graphs`' torch path (the reference), value for value:
 - per request row r < b: real = qsl[r + 1] > qsl[r]; "verified": n_acc = the leading run of x[r*q + j + 1] ==
-  g[r*q + j], last row r*q + n_acc, budget clamp(room - n_acc - 2, 0, K) (room staged in the budgets' place);
-  else the staged last row and budget. Chain step j = 1 .. K-1 sits at p = pos[last] + j, feeds (and writes KV)
+  g[r*q + j], last row r*q + n_acc, budget clamp(room - n_acc - 2, 0, K) (room staged in the budgets' place),
+  entry seq len pos[r*q + q - 1] + 1 on real rows (else 0), next token g[r*q + n_acc], start shift n_acc - K;
+  else the staged last row, budget and seq len. Positions `pos` are the entry rows' (staged, or "verified" the
+  verify step's own on the device). Chain step j = 1 .. K-1 sits at p = pos[last] + j, feeds (and writes KV)
   when real and p < pos[last] + budget, with seq len p + 1 on real rows (else 0), position p where it feeds
   (else 0), slot block_table[r, min(p // bs, last block)] * bs + p % bs where it feeds (else -1); the chain's
   query_start_loc is the running count of real rows;
@@ -37,8 +39,11 @@ def _slot(bt_ptr, bt_stride, row, pos, writes, mask, bs, last_block):
 @triton.jit
 def _bookkeeping_kernel(
     staging_ptr,  # int64, `draft_graphs._Layout` offsets below
+    pos_ptr,  # int64 [>= b*q]: the entry rows' positions
     g_ptr,  # int64 [>= b*q]: the verify's argmax g
     x_ptr,  # int64 [>= b*q]: its input x
+    next_ptr,  # int64 [b]: "verified": the last token each request emits
+    shift_ptr,  # int64 [b]: "verified": n_acc - K
     bt_ptr,  # int32 [A, blocks]
     bt_stride,
     last_block,
@@ -51,7 +56,7 @@ def _bookkeeping_kernel(
     seq_lens_ptr,  # int32 [K - 1, chain_stride]
     slots_ptr,  # int64 [K - 1, chain_stride]
     chain_stride,
-    pos_off, req_off, qsl_off, seq_off, last_off, budget_off,  # staging offsets
+    req_off, qsl_off, seq_off, last_off, budget_off,  # staging offsets
     b,
     q,
     bs,
@@ -76,16 +81,20 @@ def _bookkeeping_kernel(
             n_acc += alive.to(tl.int64)
         last = r * q + n_acc
         budget = tl.minimum(tl.maximum(budget - n_acc - 2, 0), K)
+        seq = tl.where(real, tl.load(pos_ptr + r * q + q - 1, mask=rm, other=0) + 1, 0)
+        tl.store(next_ptr + r, tl.load(g_ptr + last, mask=rm, other=0), mask=rm)
+        tl.store(shift_ptr + r, n_acc - K, mask=rm)
     else:
         last = tl.load(staging_ptr + last_off + r, mask=rm, other=0)
+        seq = tl.load(staging_ptr + seq_off + r, mask=rm, other=0)
     tl.store(last_ptr + r, last, mask=rm)
     tl.store(entry_qsl_ptr + r, lo.to(tl.int32), mask=rm)
     tl.store(entry_qsl_ptr + r + 1, hi.to(tl.int32), mask=rm)
-    tl.store(entry_seq_lens_ptr + r, tl.load(staging_ptr + seq_off + r, mask=rm, other=0).to(tl.int32), mask=rm)
+    tl.store(entry_seq_lens_ptr + r, seq.to(tl.int32), mask=rm)
     # The chain's records, one row per step.
     tl.store(qsl_ptr + r + 1, tl.cumsum(real.to(tl.int32), 0), mask=rm)
     tl.store(qsl_ptr + r, tl.zeros([BLOCK_B], tl.int32), mask=r == 0)
-    last_pos = tl.load(staging_ptr + pos_off + last, mask=rm, other=0)
+    last_pos = tl.load(pos_ptr + last, mask=rm, other=0)
     for j in tl.static_range(K - 1):
         p = last_pos + 1 + j
         feeds = real & (p < last_pos + budget)
@@ -99,7 +108,7 @@ def _bookkeeping_kernel(
         i = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         im = i < b * q
         row = tl.load(staging_ptr + req_off + i, mask=im, other=-1)
-        pos = tl.load(staging_ptr + pos_off + i, mask=im, other=0)
+        pos = tl.load(pos_ptr + i, mask=im, other=0)
         writes = row >= 0
         row = tl.maximum(row, 0)
         if VERIFIED:
@@ -110,7 +119,8 @@ def _bookkeeping_kernel(
 
 def draft_bookkeeping(
     staging: torch.Tensor,  # int64, a `_Layout(b, q)`'s size
-    offsets: dict[str, int],  # staging offsets: "pos", "req" (token rows), "qsl", "seq", "last", "budget"
+    offsets: dict[str, int],  # staging offsets: "req" (token rows), "qsl", "seq", "last", "budget"
+    pos: torch.Tensor,  # int64 [>= b*q]: the entry rows' positions
     verified: tuple[torch.Tensor, torch.Tensor] | None,  # g, x [>= b*q] int64 ("verified" rule), else None
     block_table: torch.Tensor,  # [>= b, blocks] int32
     entry_qsl: torch.Tensor,  # [b + 1] int32
@@ -121,6 +131,8 @@ def draft_bookkeeping(
     positions: torch.Tensor,  # [K - 1, >= b] int64
     seq_lens: torch.Tensor,  # [K - 1, >= b] int32
     slots: torch.Tensor,  # [K - 1, >= b] int64
+    next_tokens: torch.Tensor,  # [b] int64: "verified": the last token each request emits
+    start_shift: torch.Tensor,  # [b] int64: "verified": n_acc - k
     *, b: int, q: int, k: int, block_size: int,
 ) -> None:
     """Fill the entry's and the chain's records and the last rows (module docstring); no sync."""
@@ -128,12 +140,13 @@ def draft_bookkeeping(
     assert positions.stride() == slots.stride() == seq_lens.stride() and positions.stride(1) == 1
     assert entry_qsl.dtype == entry_seq_lens.dtype == qsl.dtype == seq_lens.dtype == torch.int32
     g, x = verified if verified is not None else (staging, staging)  # unread without VERIFIED
-    assert g.dtype == x.dtype == torch.int64 and g.is_contiguous() and x.is_contiguous()
+    assert g.dtype == x.dtype == pos.dtype == torch.int64 and g.is_contiguous() and x.is_contiguous()
+    assert pos.is_contiguous() and next_tokens.is_contiguous() and start_shift.is_contiguous()
     block_t = min(_MAX_BLOCK_T, next_power_of_2(b * q))
     _bookkeeping_kernel[(1,)](
-        staging, g, x, block_table, block_table.stride(0),
+        staging, pos, g, x, next_tokens, start_shift, block_table, block_table.stride(0),
         block_table.shape[1] - 1, entry_qsl, entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots,
-        positions.stride(0), offsets["pos"], offsets["req"], offsets["qsl"], offsets["seq"], offsets["last"],
+        positions.stride(0), offsets["req"], offsets["qsl"], offsets["seq"], offsets["last"],
         offsets["budget"], b, q, block_size,
         K=k, VERIFIED=verified is not None, BLOCK_B=next_power_of_2(b), BLOCK_T=block_t,
         num_warps=num_warps_for(block_t),

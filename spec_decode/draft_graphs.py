@@ -34,11 +34,14 @@ max(Aq, P), P the longest prompt graph (below):
                                    budget: the scheduler allocated slots for the drafts the request asked for,
                                    no more. Step j reads draft j as its ids and (EAGLE) the previous step's
                                    output as its feature, in place: no copies between the steps' forwards
-    verified 2 x [Aq] int64        "verified": the verify step's argmax and input ids (request r at rows r*q ..):
-                                   the target's own buffers when the runner hands them over (read in place),
-                                   else copies
-    drafts [k, A] int64            drafts 1 .. k of each request (row j: draft j + 1); the next step's forward
-                                   reads them here, and `drafts_host` (pinned) receives a copy of all of it
+    verified 3 x [Aq] int64        "verified": the verify step's argmax, input ids and positions (request r at rows
+                                   r*q ..): the target's own buffers when the runner hands them over (read in
+                                   place), else copies
+    next_tokens [k + 1, A] int64   row 0 ("verified"): the last token each request emits, g[r*q + n_acc]; rows 1 ..
+                                   k (`drafts`): drafts 1 .. k of each request. The next step's forward reads them
+                                   here, and `drafts_host` (pinned) receives a copy of the drafts
+    start_shift [A] int64          "verified": n_acc - k, how far each request's next start lies below a host's
+                                   guess that it accepted every draft (`ahead`)
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
 Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
@@ -46,11 +49,14 @@ writing no KV; their drafts are dropped on the host.
 
 A third rule, "verified", drafts before the host knows what the target emitted (`run(verified=...)`): for
 an all-greedy step where every request verified k drafts (q = k + 1 rows each, request r at rows r*q ..),
-a prologue inside the graph takes the verify forward's argmax g and input x (in place, or copies: `verified`),
-accepts while x[j + 1] == g[j] (n_acc), and enters the tokens the request emits, g[0 .. n_acc], at positions
-c .. c + n_acc: rows past n_acc write no KV and feed nothing. Draft 1 is picked at row r*q + n_acc, and the
-budget min(k, room - n_acc - 2) (`spec_decode.heads.draft_budget`) comes from each request's room, staged
-in place of the budget. The host waits for the verify's ids alone while this graph runs.
+a prologue inside the graph takes the verify forward's argmax g, input x and positions (in place, or copies:
+`verified`), accepts while x[j + 1] == g[j] (n_acc), and enters the tokens the request emits, g[0 .. n_acc], at
+positions c .. c + n_acc: rows past n_acc write no KV and feed nothing. Draft 1 is picked at row r*q + n_acc, and
+the budget min(k, room - n_acc - 2) (`spec_decode.heads.draft_budget`) comes from each request's room, staged
+in place of the budget. The host waits for the verify's ids alone while this graph runs, or (async scheduling)
+for nothing: the positions come from the device, so the host may have staged the verify step from a guess, and
+the graph leaves each request's next verify inputs (its emitted last token, its drafts) and start correction on
+the device (`ahead`).
 
 Before the forwards, a replay computes the entry's and the chain's records (and, "verified", the acceptance):
 on CUDA in one Triton kernel (spec_decode/draft_bookkeeping.py: ~40 small kernels fewer per replay), elsewhere
@@ -148,9 +154,9 @@ class DraftGraphs:
         features: tuple[int, torch.dtype] | None,  # (F, dtype) of the entry features, or None
         device: torch.device,
         capture: Capture,
-        # The target's argmax and input-id buffers (1-D int64, the verify graphs' and the runner's), which a
-        # "verified" graph then reads in place; None (or too short): it reads copies in its own buffers
-        verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        # The target's argmax, input-id and position buffers (1-D int64, the verify graphs' and the runner's), which
+        # a "verified" graph then reads in place; None (or too short): it reads copies in its own buffers
+        verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         # Entry lengths of one request's prompt graphs (B = 1, "argmax" and "sample"): a prompt of at most
         # max(prefill_sizes) rows replays the smallest that holds it, with no eager catch-up. Ignored without
         # multi-token attention (query_len 1).
@@ -167,7 +173,10 @@ class DraftGraphs:
         i32 = dict(dtype=torch.int32, device=device)
         self.staging = torch.zeros(staged, **i64)
         pin = device.type == "cuda"  # the host side of the one copy each way, without a sync
-        self.staging_host = torch.zeros(staged, dtype=torch.int64, pin_memory=pin)
+        # Two, alternating: under async scheduling a replay is staged before the previous one's copy has run.
+        self._staging_host = [torch.zeros(staged, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._staged = [torch.cuda.Event() if pin else None for _ in range(2)]  # each buffer's copy has run
+        self._next_staging = 0
         self.features = torch.zeros(rows, features[0], dtype=features[1], device=device) if features else None
         self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
         self.entry_qsl, self.entry_seq_lens = torch.zeros(a + 1, **i32), torch.zeros(a, **i32)
@@ -177,7 +186,9 @@ class DraftGraphs:
         self.query_start_loc, self.seq_lens = torch.zeros(a + 1, **i32), torch.zeros(steps, a, **i32)
         self.slot_mapping = torch.full((steps, a), -1, **i64)
         self.request_rows = torch.full((a,), -1, **i32)  # stays -1: only state layers read it, drafters have none
-        self.drafts = torch.zeros(self.k, a, **i64)  # draft j of request i at [j, i]: step j + 1 reads row j
+        self.next_tokens = torch.zeros(self.k + 1, a, **i64)  # row 0: the emitted last token ("verified")
+        self.drafts = self.next_tokens[1:]  # draft j of request i at [j, i]: step j + 1 reads row j
+        self.start_shift = torch.zeros(a, **i64)
         self.drafts_host = torch.zeros(self.k, a, dtype=torch.int64, pin_memory=pin)
         self.drafts_copied = torch.cuda.Event() if pin else None
         # Index tensors a graph reads live here: a capture keeps the graph, not the function, so a tensor made
@@ -193,7 +204,7 @@ class DraftGraphs:
         self.drafts_verified = query_len == num_speculative_tokens + 1 and features is not None
         fits = verified_inputs is not None and min(len(v) for v in verified_inputs) >= a * q
         self.verified_in_place = fits
-        self.verified = tuple(verified_inputs) if fits else tuple(torch.zeros(2, a * q, **i64).unbind(0))
+        self.verified = tuple(verified_inputs) if fits else tuple(torch.zeros(3, a * q, **i64).unbind(0))
         self._replay: dict[tuple[_Layout, str], Callable[[], Any]] = {}  # (layout, rule) -> replay
         self._entry, self._step, self._logits, self._argmax = entry, step, logits, argmax
         self._backends = {layer.backend.name: layer.backend for layer in layers}
@@ -242,8 +253,9 @@ class DraftGraphs:
         seeds, out_pos, greedy_in = (st[lay.request(i)] for i in (5, 6, 7))
         sampled = rule == "sample"
         offset = self.entry_offsets
-        # "verified": the argmax g and input x per request
+        # "verified": the argmax g, input x and positions per request
         verified = tuple(v[:t].view(b, lay.q) for v in self.verified) if rule == "verified" else None
+        pos = verified[2].reshape(t) if verified is not None else pos_in  # the entry rows' positions
         temperature, probs = self.temperature[:b], self.probs[:b]
         entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
         features = None if self.features is None else self.features[:t]
@@ -275,39 +287,42 @@ class DraftGraphs:
 
         def bookkeeping() -> torch.Tensor:  # [b] each request's last entry row
             """The entry's and the chain's records (spec_decode/draft_bookkeeping.py has the rule, and the kernel)."""
+            real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
             if rule == "verified":  # accept while x[j + 1] == g[j]; the room is staged in the budgets' place
-                g, x = verified
+                g, x, _ = verified
                 n_acc = (x[:, 1:] == g[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [b] drafts accepted
                 writes = (req_in >= 0) & (offset <= n_acc[:, None]).view(t)
                 last_row = lay.q * torch.arange(b, device=st.device) + n_acc
                 budgets = (budget - n_acc - 2).clamp(min=0, max=self.k)
+                entry_seq_lens.copy_(torch.where(real, pos[lay.q - 1 :: lay.q] + 1, 0))
+                self.next_tokens[0, :b].copy_(g.gather(1, n_acc[:, None]).squeeze(1))
+                self.start_shift[:b].copy_(n_acc - self.k)
             else:
                 writes, last_row, budgets = req_in >= 0, last, budget
+                entry_seq_lens.copy_(seq_lens_in)
             entry_qsl.copy_(qsl_in)
-            entry_seq_lens.copy_(seq_lens_in)
-            entry_slots.copy_(slot_of(req_in.clamp(min=0), pos_in, writes))
+            entry_slots.copy_(slot_of(req_in.clamp(min=0), pos, writes))
             if self.k > 1:
-                real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
                 qsl[1:].copy_(torch.cumsum(real, 0))
                 # Step j feeds draft j at position last + j; a row feeds (and writes KV) only below last + budget.
-                pos = pos_in[last_row] + 1 + self.chain_steps  # [k-1, b]
-                feeds = real & (pos < pos_in[last_row] + budgets)
-                seq_lens.copy_(torch.where(real, pos + 1, 0))
-                slots.copy_(slot_of(torch.arange(b, device=pos.device).expand_as(pos), pos, feeds))
-                positions.copy_(torch.where(feeds, pos, 0))
+                chain_pos = pos[last_row] + 1 + self.chain_steps  # [k-1, b]
+                feeds = real & (chain_pos < pos[last_row] + budgets)
+                seq_lens.copy_(torch.where(real, chain_pos + 1, 0))
+                slots.copy_(slot_of(torch.arange(b, device=pos.device).expand_as(chain_pos), chain_pos, feeds))
+                positions.copy_(torch.where(feeds, chain_pos, 0))
             return last_row
 
         def fused_bookkeeping() -> torch.Tensor:
             from spec_decode.draft_bookkeeping import draft_bookkeeping  # Triton, imported when a kernel runs
 
             draft_bookkeeping(
-                st[: lay.size], offsets, verified if rule == "verified" else None, block_table, entry_qsl,
-                entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots, b=b, q=lay.q, k=self.k,
-                block_size=bs)
+                st[: lay.size], offsets, pos, verified[:2] if rule == "verified" else None, block_table, entry_qsl,
+                entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots, self.next_tokens[0, :b],
+                self.start_shift[:b], b=b, q=lay.q, k=self.k, block_size=bs)
             return last_rows
 
-        offsets = {"pos": lay.token(1).start, "req": lay.token(2).start, "qsl": lay.request(0).start,
-                   "seq": lay.request(1).start, "last": lay.request(2).start, "budget": lay.request(3).start}
+        offsets = {"req": lay.token(2).start, "qsl": lay.request(0).start, "seq": lay.request(1).start,
+                   "last": lay.request(2).start, "budget": lay.request(3).start}
         last_rows = self.last_rows[:b]
         records = fused_bookkeeping if st.device.type in research_lm.ops.FUSED_DEVICE_TYPES else bookkeeping
         entry_ids = verified[0].reshape(t) if rule == "verified" else ids_in  # "verified": the emitted tokens
@@ -315,7 +330,7 @@ class DraftGraphs:
         @torch.inference_mode()
         def draft() -> None:
             last_row = records()
-            out, carry = self._entry(entry_ids, pos_in, entry_md, features)
+            out, carry = self._entry(entry_ids, pos, entry_md, features)
             pick(out[last_row], 0)
             if carry is not None and self.k > 1:
                 carry = carry[last_row]
@@ -369,8 +384,9 @@ class DraftGraphs:
         features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
         sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
-        verified: tuple[torch.Tensor, torch.Tensor] | None = None,  # the "verified" rule: the verify step's
-        # argmax and input ids [n * q] (device); `tokens` are then ignored and `budgets` are each request's room
+        verified: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # the "verified" rule: the verify
+        # step's argmax, input ids and positions [n * q] (device); `tokens` and `starts` are then ignored and
+        # `budgets` are each request's room
     ) -> torch.Tensor | None:  # "sample": q [n, k, V]
         """Replay the step's graph. Request r's drafts 1 .. budget stay in `drafts[:, r]` until the next replay
         (`pending` hands them out), their copy to the host under way."""
@@ -380,8 +396,12 @@ class DraftGraphs:
         size = lay.b
         lens_np = np.asarray(lens, dtype=np.int64)
         ends = np.cumsum(lens_np)
-        # The last replay's staging copy finished before its drafts were verified, which preceded this call.
-        host = self.staging_host[: lay.size].numpy()
+        i = self._next_staging
+        self._next_staging ^= 1
+        staging_host, staged_event = self._staging_host[i], self._staged[i]
+        if staged_event is not None:  # the replay before last copied from this buffer: long done, as a rule
+            staged_event.synchronize()
+        host = staging_host[: lay.size].numpy()
         host[:] = 0
         token, request = (lambda i: host[lay.token(i)]), (lambda i: host[lay.request(i)])
         if verified is None:
@@ -409,7 +429,9 @@ class DraftGraphs:
             temperature[:n] = torch.tensor(sampling.temperature, dtype=torch.float32)
             self.temperature[:size].copy_(temperature, non_blocking=True)
         staged = self.staging[: lay.size]
-        staged.copy_(self.staging_host[: lay.size], non_blocking=True)
+        staged.copy_(staging_host[: lay.size], non_blocking=True)
+        if staged_event is not None:
+            staged_event.record()
         cols = min(block_table.shape[1], self.block_table.shape[1])
         if list(rows) == list(range(n)):  # the step's first n rows, in order (the "verified" rule): no gather
             self.block_table[:n, :cols].copy_(block_table[:n, :cols])
@@ -434,3 +456,9 @@ class DraftGraphs:
         """The last replay's drafts of the requests at these graph rows (request id -> row)."""
         tokens = DeviceTokens(self.drafts.view(-1), rows, stride=self.drafts.shape[1])
         return PendingDrafts(tokens, self.drafts_host, self.drafts_copied)
+
+    def ahead(self, rows: dict[str, int]) -> DeviceTokens:
+        """After a "verified" replay: the next verify step's q inputs of the requests at these graph rows (request id
+        -> row): the last token each emits, then its drafts, with each one's start correction."""
+        return DeviceTokens(self.next_tokens.view(-1), rows, stride=self.next_tokens.shape[1],
+                            start_shift=self.start_shift)

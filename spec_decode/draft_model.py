@@ -128,7 +128,7 @@ class DraftModelProposer:
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
-                            verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            verified_inputs: tuple[torch.Tensor, ...] | None = None,
                             prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache
         (`verified_inputs` go unread: a draft model's entry starts below the verified tokens, so it never drafts

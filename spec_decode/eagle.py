@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from research_lm.buffers import DeviceTokens
 from research_lm.cuda_graphs import Capture, uncapturable_reason
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, is_rotary_buffer, load_params
 from research_lm.models.layers import (
@@ -333,17 +334,24 @@ class EagleProposer:
         computed = common.num_computed_tokens_cpu.tolist()
         if not all(c + 1 == r.num_tokens and plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
             return None
-        # Each request's room before this step's tokens; the graph subtracts what it emits (`draft_budget`).
+        # Each request's room before this step's tokens; the graph subtracts what it emits (`draft_budget`). Launched
+        # ahead (async scheduling), the last step's placeholders count as if all its drafts were accepted: a lower
+        # bound, which the scheduler keeps from cutting a budget (`Scheduler.can_schedule_ahead`).
         rooms = [tokens_left(r, self.max_model_len) for r in reqs]
         t = common.num_tokens
 
         def launch() -> None:
             graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
                        features=lambda _, out: self._target_features(outcome, slice(0, t), out),
-                       verified=(outcome.greedy_ids[:t], outcome.input_ids[:t]))
+                       verified=(outcome.greedy_ids[:t], outcome.input_ids[:t], outcome.positions[:t]))
             self._drafted_before_verification = outcome
 
         return launch
+
+    def ahead_inputs(self, outcome: StepOutcome) -> DeviceTokens:
+        """After `propose_before_verification`'s launch: each request's next verify inputs (its last emitted token,
+        then its drafts) and its start correction, on the device (`DraftGraphs.ahead`)."""
+        return self.graphs.ahead({r.request_id: i for i, r in enumerate(outcome.requests)})
 
     def propose(self, outcome: StepOutcome) -> Proposal:
         reqs, emitted = outcome.requests, outcome.emitted
@@ -387,7 +395,7 @@ class EagleProposer:
         return drafting.proposal(reqs)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
-                            verified_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
         "verified" ones read the target's argmax and input ids in place where the runner hands their buffers over."""

@@ -166,11 +166,12 @@ def tokens_left(req: Request, max_model_len: int, num_emitted: int = 0) -> int:
 def draft_budget(req: Request, emitted: Sequence[int], k: int, max_model_len: int) -> int:
     """Drafts worth proposing: the scheduler keeps at most room - 1 (k drafts emit up to k + 1 tokens). A request
     that emitted nothing (a prompt chunk that did not reach its end) or that this step's tokens bring to max_tokens
-    drafts nothing."""
-    max_tokens = req.sampling_params.max_tokens
-    if not emitted or (max_tokens is not None and req.num_output_tokens + len(emitted) >= max_tokens):
+    drafts nothing. Under async scheduling the request may still hold this step's placeholders: `emitted` are
+    their values, so only its known tokens count besides."""
+    max_tokens, held = req.sampling_params.max_tokens, req.num_output_placeholders
+    if not emitted or (max_tokens is not None and req.num_output_tokens - held + len(emitted) >= max_tokens):
         return 0
-    return max(0, min(k, tokens_left(req, max_model_len, len(emitted)) - 1))
+    return max(0, min(k, tokens_left(req, max_model_len, len(emitted) - held) - 1))
 
 
 @dataclass

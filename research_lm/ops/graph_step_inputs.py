@@ -12,7 +12,9 @@ on the device machine's host, as much as the rest of the staging.
 The numbers are `research_lm.ops.reference.graph_step_inputs_ref`'s, value for value: for request i < b and
 j < q, token t = i*q + j, real when i < n: input id staging[t] (when >= 0) or source[-1 - staging[t]], else 0;
 position start_i + j, else 0; slot block_table[i, pos // bs] * bs + pos % bs, else -1; seq len start_i + q,
-else 0; query_start_loc[i] = min(i, n) * q for i <= b; request row staged, else -1.
+else 0; query_start_loc[i] = min(i, n) * q for i <= b; request row staged, else -1. With a `shift` tensor (a
+speculative step launched before the previous one was verified: the host staged each start as if every draft
+were accepted), start_i is the staged start plus shift[staging[b*q + 2b + 1 + i]] where that index is >= 0.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from research_lm.ops.common import next_power_of_2
 from research_lm.ops.reference import graph_step_inputs_ref
 
 
-@triton.jit(do_not_specialize=["b", "q"], do_not_specialize_on_alignment=["source_ptr"])
+@triton.jit(do_not_specialize=["b", "q"], do_not_specialize_on_alignment=["source_ptr", "shift_ptr"])
 def _graph_step_inputs_kernel(
-    staging_ptr, source_ptr, bt_ptr, bt_stride, last_block,
+    staging_ptr, source_ptr, shift_ptr, bt_ptr, bt_stride, last_block,
     ids_ptr, pos_ptr, slots_ptr, seq_lens_ptr, qsl_ptr, rows_ptr,
     b, q, bs,
     HAS_SOURCE: tl.constexpr,
+    HAS_SHIFT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
@@ -49,6 +52,9 @@ def _graph_step_inputs_kernel(
         held = jm & (value < 0)
         ids = tl.where(value < 0, tl.load(source_ptr + tl.maximum(-1 - value, 0), mask=held, other=0), ids)
     start = tl.load(staging_ptr + b * q + i)
+    if HAS_SHIFT:
+        at = tl.load(staging_ptr + b * q + 2 * b + 1 + i)
+        start += tl.load(shift_ptr + tl.maximum(at, 0), mask=real & (at >= 0), other=0)
     pos = start + j
     block = tl.load(bt_ptr + i * bt_stride + tl.minimum(pos // bs, last_block), mask=jm & real, other=0)
     tl.store(ids_ptr + t, tl.where(real, ids, 0), mask=jm)
@@ -62,7 +68,7 @@ def _graph_step_inputs_kernel(
 
 
 def graph_step_inputs(
-    staging: torch.Tensor,  # int64 [>= b*q + 2b + 1], on the device
+    staging: torch.Tensor,  # int64 [>= b*q + 2b + 1 (+ b with a shift)], on the device
     source: torch.Tensor | None,  # int64, 1-D
     block_table: torch.Tensor,  # int32 [>= b, blocks]
     input_ids: torch.Tensor,  # int64 [>= b*q]
@@ -72,17 +78,20 @@ def graph_step_inputs(
     query_start_loc: torch.Tensor,  # int32 [>= b + 1]
     request_rows: torch.Tensor,  # int32 [>= b]
     *, b: int, q: int, block_size: int,
+    shift: torch.Tensor | None = None,  # int64, 1-D: start corrections, at the staged indices
 ) -> None:
-    """Write the step buffers of n requests (staged last) of q tokens each, padded to b (module docstring); no
-    sync. n lives on the device so that a captured launch serves every n <= b."""
+    """Write the step buffers of n requests (staged after the rows) of q tokens each, padded to b (module docstring);
+    no sync. n lives on the device so that a captured launch serves every n <= b."""
     assert staging.dtype == input_ids.dtype == positions.dtype == slot_mapping.dtype == torch.int64
     assert block_table.dtype == seq_lens.dtype == query_start_loc.dtype == request_rows.dtype == torch.int32
-    assert block_table.stride(1) == 1 and (source is None or (source.dtype == torch.int64 and source.dim() == 1))
+    assert block_table.stride(1) == 1
+    assert all(x is None or (x.dtype == torch.int64 and x.dim() == 1) for x in (source, shift))
     src = source if source is not None else staging  # unread without HAS_SOURCE
     _graph_step_inputs_kernel[(b,)](
-        staging, src, block_table, block_table.stride(0), block_table.shape[1] - 1,
-        input_ids, positions, slot_mapping, seq_lens, query_start_loc, request_rows,
-        b, q, block_size, HAS_SOURCE=source is not None, BLOCK_Q=max(8, next_power_of_2(q)), num_warps=1,
+        staging, src, shift if shift is not None else staging, block_table, block_table.stride(0),
+        block_table.shape[1] - 1, input_ids, positions, slot_mapping, seq_lens, query_start_loc, request_rows,
+        b, q, block_size, HAS_SOURCE=source is not None, HAS_SHIFT=shift is not None,
+        BLOCK_Q=max(8, next_power_of_2(q)), num_warps=1,
     )
 
 
@@ -95,19 +104,19 @@ class GraphStepInputs:
     def __init__(self, buffers: Any, block_size: int, max_graphs: int = 16):
         self.buffers, self.block_size, self.max_graphs = buffers, block_size, max_graphs
         self.cuda = buffers.staging.gpu.device.type == "cuda"
-        self.graphs: dict[tuple[int, int, int], Callable[[], None]] = {}
-        self.misses: collections.Counter[tuple[int, int, int]] = collections.Counter()
+        self.graphs: dict[tuple[int, ...], Callable[[], None]] = {}
+        self.misses: collections.Counter[tuple[int, ...]] = collections.Counter()
 
-    def __call__(self, source: torch.Tensor | None, b: int, q: int) -> None:
+    def __call__(self, source: torch.Tensor | None, b: int, q: int, shift: torch.Tensor | None = None) -> None:
         buf = self.buffers
 
         def write() -> None:
             fn = graph_step_inputs if self.cuda else graph_step_inputs_ref
             fn(buf.staging.gpu, source, buf.block_table.gpu, buf.input_ids.gpu[: b * q], buf.positions.gpu[: b * q],
                buf.slot_mapping.gpu[: b * q], buf.seq_lens.gpu[:b], buf.query_start_loc.gpu[: b + 1],
-               buf.request_rows.gpu[:b], b=b, q=q, block_size=self.block_size)
+               buf.request_rows.gpu[:b], b=b, q=q, block_size=self.block_size, shift=shift)
 
-        key = (b, q, 0 if source is None else source.data_ptr())
+        key = (b, q, *(0 if x is None else x.data_ptr() for x in (source, shift)))
         if (replay := self.graphs.get(key)) is not None:
             replay()
             return

@@ -65,7 +65,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * I] -> [..., 
 
 
 def graph_step_inputs_ref(
-    staging: torch.Tensor,  # int64 [b*q + 2b + 1]: token values (or -1 - index into source), starts, rows, n
+    staging: torch.Tensor,  # int64 [b*q + 2b + 1 (+ b)]: token values (or -1 - index into source), starts, rows,
+    # n (then, with a shift, each request's index into it or -1)
     source: torch.Tensor | None,  # int64 [*]: tokens still on the device (placeholders' values)
     block_table: torch.Tensor,  # int32 [>= b, blocks]
     input_ids: torch.Tensor,  # int64 [b*q]
@@ -75,12 +76,16 @@ def graph_step_inputs_ref(
     query_start_loc: torch.Tensor,  # int32 [b + 1]
     request_rows: torch.Tensor,  # int32 [b]
     *, b: int, q: int, block_size: int,
+    shift: torch.Tensor | None = None,  # int64 [*]: start corrections (a step staged before the last was verified)
 ) -> None:
     """The step buffers of n requests of q tokens each, padded to b (research_lm.ops.graph_step_inputs)."""
     t = b * q
     n = int(staging[t + 2 * b])
     values, starts, rows = staging[:t], staging[t : t + b], staging[t + b : t + 2 * b]
     real_req = torch.arange(b, device=staging.device) < n
+    if shift is not None:
+        at = staging[t + 2 * b + 1 : t + 3 * b + 1]
+        starts = starts + torch.where(real_req & (at >= 0), shift[at.clamp(min=0)], 0)
     real = real_req.repeat_interleave(q)
     ids = values.clamp(min=0)
     if source is not None:

@@ -153,10 +153,27 @@ def test_abort_while_in_flight(tiny_checkpoint):
     assert engine.kv_cache.num_free_blocks == engine.num_blocks - 1
 
 
-def test_async_scheduling_refuses_a_proposer(tiny_checkpoint):
-    with pytest.raises(ValueError, match="async_scheduling=True does not combine with speculative decoding"):
-        LLM(str(tiny_checkpoint("llama")), async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **KNOBS)
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+                                  {"method": "draft_model", "num_speculative_tokens": 3}])
+def test_async_with_a_proposer_matches_sync(tiny_checkpoint, spec):
+    """A proposer that needs each step's tokens on the host (here, without graphs, every one) never has a step
+    launched ahead: each step is collected first. Its verify steps still go through `assume_launched` (a placeholder
+    per token the step may emit) and `update_from_output` (the rejected ones dropped): the same outputs, draft
+    counts and blocks as the synchronous engine, with chunked prefill, prefix caching and a stop token."""
+    path = tiny_checkpoint("llama")
+    spec = spec | ({"model": str(path)} if spec["method"] == "draft_model" else {})
+    stop, _ = _stop_token(path)
+    params = [p for p in _params(eos_stop=stop) if p.temperature == 0.0 or p.seed is not None]
+    _, want = _run(path, params, asynchronous=False, speculative_config=spec)
+    llm = LLM(str(path), async_scheduling=True, speculative_config=spec, **KNOBS)
+    collect, ahead = llm.engine.runner.collect, []
+    llm.engine.runner.collect = lambda pending: ahead.append(llm.engine._in_flight is not None) or collect(pending)
+    got = llm.generate(_prompts(llm.engine.info.vocab_size, len(params)), params, use_tqdm=False)
+    _same(got, want)
+    assert [o.metrics.num_draft_tokens for o in got] == [o.metrics.num_draft_tokens for o in want]
+    assert [o.metrics.num_accepted_tokens for o in got] == [o.metrics.num_accepted_tokens for o in want]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0 and ahead and not any(ahead)
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.num_blocks - 1
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ UNSPECIALIZED = [  # (kernel, ints that change per step, pointers that may start
     (kv_write._reshape_and_cache_kernel, ["num_tokens"], ["slot_mapping_ptr"]),
     (unified_attention._unified_attention_kernel, ["num_reqs"], []),
     (unified_attention._reduce_splits_kernel, ["num_reqs"], []),
-    (graph_step_inputs._graph_step_inputs_kernel, ["b", "q"], ["source_ptr"]),
+    (graph_step_inputs._graph_step_inputs_kernel, ["b", "q"], ["source_ptr", "shift_ptr"]),
     (rotary._rotary_kernel, [], ["positions_ptr"]),
     (eagle3_kernels._eagle3_input_kernel, [], ["ids_ptr"]),
     (eagle3_kernels._argmax_gather_kernel, [], ["out_ptr"]),

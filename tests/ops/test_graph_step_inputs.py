@@ -20,7 +20,7 @@ BS = 4
 def _case(n: int, b: int, q: int, held: int, gen: torch.Generator):
     """Staging for n requests of q tokens (the last `held` of each on the device) padded to b; source; table."""
     source = torch.randint(0, 1000, (64,), generator=gen)
-    staging = torch.zeros(b * q + 2 * b + 1, dtype=torch.int64)
+    staging = torch.zeros(b * q + 3 * b + 1, dtype=torch.int64)
     for i in range(n):
         values = torch.randint(0, 1000, (q,), generator=gen)
         if held:
@@ -30,6 +30,7 @@ def _case(n: int, b: int, q: int, held: int, gen: torch.Generator):
     staging[b * q + b : b * q + b + n] = torch.randperm(8, generator=gen)[:n]  # request rows
     staging[b * q + b + n : b * q + 2 * b] = -1
     staging[b * q + 2 * b] = n
+    staging[b * q + 2 * b + 1 : b * q + 3 * b + 1] = torch.randint(-1, 8, (b,), generator=gen)  # shift indices
     block_table = torch.randint(1, 50, (8, 8), generator=gen, dtype=torch.int32)
     return staging, (source if held else None), block_table
 
@@ -39,16 +40,22 @@ def _buffers(b: int, q: int) -> list[torch.Tensor]:  # stale values everywhere: 
         torch.full((n,), 77, dtype=torch.int32, device=device()) for n in (b, b + 1, b)]
 
 
-@pytest.mark.parametrize("n, b, q, held", [(1, 1, 1, 0), (1, 1, 1, 1), (3, 4, 4, 3), (2, 8, 6, 5), (4, 4, 2, 0)])
-def test_graph_step_inputs_matches_reference(n, b, q, held):
+CASES = [(1, 1, 1, 0, False), (1, 1, 1, 1, False), (3, 4, 4, 3, False), (2, 8, 6, 5, False), (4, 4, 2, 0, False),
+         (1, 1, 6, 6, True), (3, 4, 4, 4, True)]
+
+
+@pytest.mark.parametrize("n, b, q, held, shifted", CASES)
+def test_graph_step_inputs_matches_reference(n, b, q, held, shifted):
     gen = torch.Generator().manual_seed(n * 100 + b * 10 + q + held)
     staging, source, block_table = _case(n, b, q, held, gen)
     dev = device()
     staging, block_table = staging.to(dev), block_table.to(dev)
     source = source.to(dev) if source is not None else None
+    shift = -torch.randint(0, 4, (8,), generator=gen).to(dev) if shifted else None  # starts move down by <= 3
+    staging[b * q : b * q + n] += 3
     want, got = _buffers(b, q), _buffers(b, q)
-    graph_step_inputs_ref(staging, source, block_table, *want, b=b, q=q, block_size=BS)
-    graph_step_inputs(staging, source, block_table, *got, b=b, q=q, block_size=BS)
+    graph_step_inputs_ref(staging, source, block_table, *want, b=b, q=q, block_size=BS, shift=shift)
+    graph_step_inputs(staging, source, block_table, *got, b=b, q=q, block_size=BS, shift=shift)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w), (g, w)
     ids, positions, slots, seq_lens, qsl, rows = (x.cpu() for x in want)  # the reference, spelled out once
@@ -57,6 +64,9 @@ def test_graph_step_inputs_matches_reference(n, b, q, held):
     assert seq_lens[n:].tolist() == [0] * (b - n) and rows[n:].tolist() == [-1] * (b - n)
     assert qsl.tolist() == [min(i, n) * q for i in range(b + 1)]
     starts = staging[b * q : b * q + n].cpu()
+    if shifted:
+        at = staging[b * q + 2 * b + 1 : b * q + 2 * b + 1 + n].cpu()
+        starts = starts + torch.where(at >= 0, shift.cpu()[at.clamp(min=0)], 0)
     assert positions[:t].tolist() == [s + j for s in starts.tolist() for j in range(q)]
     assert seq_lens[:n].tolist() == (starts + q).tolist()
     if held:

@@ -258,7 +258,8 @@ def _with_verify_graphs(llm: LLM) -> list[int]:
     # As the runner captures them: the "verified" graphs read the verify graphs' argmax and input ids in place.
     runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=eager_capture, block_size=runner.block_size,
                                         max_blocks_per_req=runner.buffers.block_table.gpu.shape[1],
-                                        verified_inputs=(runner.cuda_graphs.greedy_ids, runner.buffers.input_ids.gpu))
+                                        verified_inputs=(runner.cuda_graphs.greedy_ids, runner.buffers.input_ids.gpu,
+                                                         runner.buffers.positions.gpu))
     assert runner.proposer.graphs.verified_in_place
     return early
 
@@ -344,9 +345,13 @@ def _verified_against_entry(proposer, device: str) -> None:
         tokens=[tok for i, a in enumerate(n_acc) for tok in g[i, : a + 1].tolist()], lens=[a + 1 for a in n_acc],
         budgets=budgets, features=lambda rows, out: out.copy_(features[rows]),
         feature_rows=[i * q + j for i, a in enumerate(n_acc) for j in range(a + 1)])
+    positions = (torch.tensor(starts)[:, None] + torch.arange(q)).view(-1)
     got_drafts, got_kv = drafted(tokens=(), lens=[q] * n, budgets=rooms, features=lambda _, out: out.copy_(features),
-                                 verified=(g.view(-1).to(device), x.view(-1).to(device)))
+                                 verified=(g.view(-1).to(device), x.view(-1).to(device), positions.to(device)))
     assert got_drafts == want_drafts and all(len(d) for d in got_drafts)
+    # What the next verify step reads: the last token each emitted, and its start below an all-accepted guess
+    assert graphs.next_tokens[0, :n].tolist() == [g[i, a].item() for i, a in enumerate(n_acc)]
+    assert graphs.start_shift[:n].tolist() == [a - K for a in n_acc]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_kv, want_kv, strict=True))
 
 
@@ -367,12 +372,13 @@ def _bookkeeping_cases(device: str, width: int) -> list[dict]:
     x[0, 1], x[1, 1], x[1, 2], x[2, 1:] = g[0, 0] + 1, g[1, 0], g[1, 1] + 1, g[2, :K]  # 0, 1 and k accepted
     features = torch.randn(n * q, width, generator=gen)
     common = dict(starts=[3, 7, 0], features=lambda rows, out: out.copy_(features[rows.cpu() % (n * q)]))
+    positions = (torch.tensor(common["starts"])[:, None] + torch.arange(q)).view(-1)
     packed = dict(tokens=[5, 6, 7, 8, 9, 10, 11], lens=[1, 2, 4], budgets=[K, 1, 0], feature_rows=list(range(7)))
     sampling = DraftSampling(temperature=[1.0, 0.5, 1.0], greedy=[True, False, False], seeds=[1, 2, 3],
                              positions=[4, 5, 6])
     return [common | packed, common | packed | dict(sampling=sampling),
             common | dict(tokens=(), lens=[q] * n, budgets=[20, 4, 20], features=lambda _, out: out.copy_(features),
-                          verified=(g.view(-1).to(device), x.view(-1).to(device)))]
+                          verified=(g.view(-1).to(device), x.view(-1).to(device), positions.to(device)))]
 
 
 def _bookkeeping_of(proposer, device: str, fused: bool, monkeypatch) -> list[dict[str, torch.Tensor]]:
@@ -391,6 +397,7 @@ def _bookkeeping_of(proposer, device: str, fused: bool, monkeypatch) -> list[dic
         out.append({name: getattr(graphs, name).clone() for name in (
             "entry_qsl", "entry_seq_lens", "entry_slots", "query_start_loc", "seq_lens", "slot_mapping", "positions",
             )} | {"drafts": graphs.drafts[:, :3].clone(), "last": graphs.last_rows[:3].clone() if fused else None,
+                  "next": graphs.next_tokens[0, :3].clone(), "shift": graphs.start_shift[:3].clone(),
                           "kv": torch.stack([layer.kv_cache for layer in proposer.cache_layers])})
     return out
 
@@ -542,3 +549,52 @@ def test_buffers_hold_every_layout():
                          vocab_size=8, sizes=[1], query_len=1, block_size=4, max_blocks_per_req=4, max_seq_len=1024,
                          features=None, device=torch.device("cpu"), capture=eager_capture, prefill_sizes=[256])
     assert single.prefill == []  # no multi-token attention (q = 1): no prompt graphs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+@pytest.mark.parametrize("kind, blocks", [("eagle3", 40), ("eagle", 40), ("eagle3", 16)])
+def test_async_scheduling_launches_the_next_verify_step_before_verifying(kind, blocks, tiny_checkpoint, tmp_path,
+                                                                         monkeypatch):
+    """Async scheduling with verify graphs and drafting behind them: a verify step leaves its verification to
+    `collect` and its requests' next inputs (the last token each emits, its drafts, its start correction) on the
+    device, and the engine launches the next verify step before it collects this one, staging starts as if every
+    draft were accepted. Outputs equal plain greedy decoding's, with requests that finish by max_tokens while a
+    step of theirs is in flight, one stopped by a stop token, one running into max_model_len and (16 blocks)
+    preemption; the draft and acceptance counts equal the synchronous eager engine's; every block comes back."""
+    from research_lm.ops.graph_step_inputs import GraphStepInputs
+
+    checkpoint = tiny_checkpoint("llama")
+    knobs = dict(max_model_len=48, num_gpu_blocks=blocks)
+    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture, **knobs)
+    llm = LLM(str(checkpoint), device="cpu", cuda_graphs=False, async_scheduling=True,
+              speculative_config={**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}, **(KNOBS | knobs))
+    early = _with_verify_graphs(llm)
+    engine, shifted = llm.engine, []
+    write = GraphStepInputs.__call__
+    monkeypatch.setattr(GraphStepInputs, "__call__",
+                        lambda self, source, b, q, shift=None: shifted.append(shift is not None) or write(
+                            self, source, b, q, shift))
+    collect, ahead = engine.runner.collect, []
+    engine.runner.collect = lambda pending: ahead.append(engine._in_flight is not None) or collect(pending)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 30)]
+    plain = LLM(str(checkpoint), device="cpu", **(KNOBS | knobs))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, None)]
+    first = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    j = next(j for j in range(6, len(first)) if first[j] not in first[:j])
+    params[0] = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[first[j]])
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    assert got[0].outputs[0].finish_reason == "stop" and len(got[0].outputs[0].token_ids) == j + 1
+    assert len(got[2].outputs[0].token_ids) == 48 - 30  # ran into max_model_len
+    sync = eager.generate(prompts, params, use_tqdm=False)
+    for o, w in zip(got, sync, strict=True):
+        assert (o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) == (
+            w.metrics.num_draft_tokens, w.metrics.num_accepted_tokens)
+    assert early and sum(ahead) >= 3, "verify steps should have the next one launched before they are collected"
+    assert sum(shifted) >= sum(ahead) - 1  # each such step staged guessed starts (the one after the last may not run)
+    assert engine.kv_cache.num_free_blocks == engine.num_blocks - 1
+    if blocks == 16:
+        assert engine.scheduler.num_preemptions > 0
