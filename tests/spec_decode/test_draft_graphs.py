@@ -513,7 +513,8 @@ def test_drafting_before_verification_on_cuda(kind, tiny_checkpoint, tmp_path):
     spec = {**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}
     eager, graphed = _pair(str(checkpoint), spec, "cuda", cuda_graph_capture)
     _verified_against_entry(graphed.engine.runner.proposer, "cuda")
-    llm = LLM(str(checkpoint), device="cuda", speculative_config=spec, **KNOBS)  # graphs on: verify and draft
+    # graphs on: verify and draft; synchronous, so that every step hands out its proposal (`_run` checks them)
+    llm = LLM(str(checkpoint), device="cuda", speculative_config=spec, async_scheduling=False, **KNOBS)
     proposer, early = llm.engine.runner.proposer, []
     proposer.propose_before_verification = _counting(proposer.propose_before_verification, early)
     prompts, params = _prompts(), [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (16, 12, 9)]
@@ -561,14 +562,39 @@ def test_async_scheduling_launches_the_next_verify_step_before_verifying(kind, b
     draft were accepted. Outputs equal plain greedy decoding's, with requests that finish by max_tokens while a
     step of theirs is in flight, one stopped by a stop token, one running into max_model_len and (16 blocks)
     preemption; the draft and acceptance counts equal the synchronous eager engine's; every block comes back."""
+    checkpoint = tiny_checkpoint("llama")
+    knobs = KNOBS | dict(max_model_len=48, num_gpu_blocks=blocks)
+    spec = {**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}
+    sync = LLM(str(checkpoint), device="cpu", cuda_graphs=False, speculative_config=spec, **knobs)
+    llm = LLM(str(checkpoint), device="cpu", cuda_graphs=False, async_scheduling=True, speculative_config=spec, **knobs)
+    early = _with_verify_graphs(llm)
+    _check_async_verify_steps(llm, sync, LLM(str(checkpoint), device="cpu", **knobs), monkeypatch)
+    assert early
+    if blocks == 16:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_async_scheduling_of_verify_steps_on_cuda(kind, tiny_checkpoint, tmp_path, monkeypatch):
+    """Real graphs, async scheduling on (the CUDA default): the same as the interpreter variant above."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    checkpoint = tiny_checkpoint("llama")
+    knobs = KNOBS | dict(max_model_len=48, device="cuda")
+    spec = {**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}
+    sync = LLM(str(checkpoint), async_scheduling=False, speculative_config=spec, **knobs)
+    llm = LLM(str(checkpoint), speculative_config=spec, **knobs)
+    assert llm.engine.async_scheduling and llm.engine.runner.cuda_graphs is not None
+    _check_async_verify_steps(llm, sync, LLM(str(checkpoint), cuda_graphs=False, **knobs), monkeypatch)
+
+
+def _check_async_verify_steps(llm: LLM, sync: LLM, plain: LLM, monkeypatch) -> None:
+    """Three greedy requests (one stopped by a stop token, one running into max_model_len 48) through `llm`:
+    plain's tokens and finish reasons, sync's draft and acceptance counts, steps launched ahead with guessed
+    starts, every block back."""
     from research_lm.ops.graph_step_inputs import GraphStepInputs
 
-    checkpoint = tiny_checkpoint("llama")
-    knobs = dict(max_model_len=48, num_gpu_blocks=blocks)
-    eager, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture, **knobs)
-    llm = LLM(str(checkpoint), device="cpu", cuda_graphs=False, async_scheduling=True,
-              speculative_config={**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}, **(KNOBS | knobs))
-    early = _with_verify_graphs(llm)
     engine, shifted = llm.engine, []
     write = GraphStepInputs.__call__
     monkeypatch.setattr(GraphStepInputs, "__call__",
@@ -578,7 +604,6 @@ def test_async_scheduling_launches_the_next_verify_step_before_verifying(kind, b
     engine.runner.collect = lambda pending: ahead.append(engine._in_flight is not None) or collect(pending)
     rng = random.Random(7)
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (5, 9, 30)]
-    plain = LLM(str(checkpoint), device="cpu", **(KNOBS | knobs))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, None)]
     first = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
     j = next(j for j in range(6, len(first)) if first[j] not in first[:j])
@@ -589,12 +614,9 @@ def test_async_scheduling_launches_the_next_verify_step_before_verifying(kind, b
     assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
     assert got[0].outputs[0].finish_reason == "stop" and len(got[0].outputs[0].token_ids) == j + 1
     assert len(got[2].outputs[0].token_ids) == 48 - 30  # ran into max_model_len
-    sync = eager.generate(prompts, params, use_tqdm=False)
-    for o, w in zip(got, sync, strict=True):
+    for o, w in zip(got, sync.generate(prompts, params, use_tqdm=False), strict=True):
         assert (o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) == (
             w.metrics.num_draft_tokens, w.metrics.num_accepted_tokens)
-    assert early and sum(ahead) >= 3, "verify steps should have the next one launched before they are collected"
+    assert sum(ahead) >= 3, "verify steps should have the next one launched before they are collected"
     assert sum(shifted) >= sum(ahead) - 1  # each such step staged guessed starts (the one after the last may not run)
     assert engine.kv_cache.num_free_blocks == engine.num_blocks - 1
-    if blocks == 16:
-        assert engine.scheduler.num_preemptions > 0
