@@ -148,23 +148,13 @@ def buffer_addresses(buf: StepBuffers, common: CommonAttentionMetadata | None = 
     }
 
 
-_capture_stream: torch.cuda.Stream | None = None
-
-
 def cuda_graph_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]:
     """Warm fn up (compiles kernels, fills plan caches), capture it into a graph; replay returns its
-    static outputs, overwritten by each replay. Warm-up and capture share one side stream, as PyTorch asks: a
-    library's per-stream state (cuBLAS's workspace) then exists before the capture (two runs of the GPU tests
-    failed in cuBLAS while capturing a draft graph, warmed up on the default stream; not reproduced alone)."""
-    global _capture_stream
-    if _capture_stream is None:
-        _capture_stream = torch.cuda.Stream()
-    _capture_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(_capture_stream):
-        fn()
+    static outputs, overwritten by each replay."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=_capture_stream):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
 
     def replay() -> Outputs:
