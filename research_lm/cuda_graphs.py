@@ -46,6 +46,7 @@ them reaches a real row.
 from __future__ import annotations
 
 import bisect
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,12 +151,21 @@ def buffer_addresses(buf: StepBuffers, common: CommonAttentionMetadata | None = 
 
 def cuda_graph_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]:
     """Warm fn up (compiles kernels, fills plan caches), capture it into a graph; replay returns its
-    static outputs, overwritten by each replay."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    static outputs, overwritten by each replay.
+
+    Python's garbage collector stays off meanwhile: in a process that made LLMs before (a sweep, the GPU tests), a
+    collection inside the capture frees their pinned buffers and events, whose CUDA calls invalidate the capture
+    (seen as CUBLAS_STATUS_EXECUTION_FAILED or "operation failed due to a previous error during capture")."""
+    gc.collect()
+    gc.disable()
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        gc.enable()
 
     def replay() -> Outputs:
         graph.replay()

@@ -14,11 +14,6 @@ from __future__ import annotations
 
 import os
 import zlib
-
-# GPU runs load every CUDA module when CUDA starts. With lazy loading (CUDA's default), full `-m gpu` runs in sessions 17
-# and 18 failed now and then in cuBLAS (CUBLAS_STATUS_EXECUTION_FAILED) while capturing a draft graph late in the run,
-# never the failing test alone; with eager loading the run passed. Set before torch starts CUDA.
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
