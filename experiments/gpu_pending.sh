@@ -42,6 +42,10 @@
 # test_spec_greedy_identity at 14ddbd1, and `pytest -m gpu tests/spec_decode tests/engine tests/test_cuda_graphs.py` at
 # 5db887c (28 passed; at 7782e71 a cuBLAS failure during graph capture in test_drafting_before_verification_on_cuda[eagle]
 # showed twice in four runs and then not again: watch for it).
+# Session 18 (async scheduling of EAGLE/EAGLE-3 verify steps, 6266b15) ran the GPU tests at 1f2feac: one failure of the
+# same kind (CUBLAS_STATUS_EXECUTION_FAILED capturing draft graphs, late in the run), and one spec_ablation_h200 sweep
+# part failed so too. d710295 turns Python's GC off during captures; unconfirmed: run `tests` twice, then
+# `python -m experiments.paper spec_ablation_h200 --gpus 4` (its committed table predates async speculative steps).
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo

@@ -153,9 +153,11 @@ def cuda_graph_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Out
     """Warm fn up (compiles kernels, fills plan caches), capture it into a graph; replay returns its
     static outputs, overwritten by each replay.
 
-    Python's garbage collector stays off meanwhile: in a process that made LLMs before (a sweep, the GPU tests), a
-    collection inside the capture frees their pinned buffers and events, whose CUDA calls invalidate the capture
-    (seen as CUBLAS_STATUS_EXECUTION_FAILED or "operation failed due to a previous error during capture")."""
+    Python's garbage collector stays off meanwhile (as vLLM's capture does). Why, as far as known: processes that had
+    made LLMs before (a Hydra sweep, the GPU tests) now and then failed a capture (CUBLAS_STATUS_EXECUTION_FAILED,
+    "operation failed due to a previous error during capture"), never a fresh process; a collection inside the
+    capture would free those LLMs' pinned buffers and events, and such CUDA calls invalidate a capture. Not yet
+    confirmed on the GPU (PERFORMANCE.md, seventeenth pass)."""
     gc.collect()
     gc.disable()
     try:

@@ -38,7 +38,8 @@ class RunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for next step
     # Host wall time of the step's two speculative phases (None when the phase did not run): verify =
     # input prep + target forward + rejection sampling of a step whose batch verified drafts, up to the
-    # `.tolist()` of the emitted tokens; draft = the proposer's `propose` call.
+    # `.tolist()` of the emitted tokens (a deferred verify step under async scheduling: from its launch to its
+    # verification in `collect`, the next step's launch included); draft = the proposer's `propose` call.
     verify_ms: float | None = None
     draft_ms: float | None = None
 

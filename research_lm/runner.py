@@ -9,7 +9,9 @@ Speculative steps run inside `launch` (drafting needs the emitted tokens), excep
 proposer may leave them on the device (`PendingDrafts`), and the next step reads them there, the host
 waiting for their values only to verify them, so drafting overlaps the host's work between the steps. A
 proposer with `propose_before_verification` may even launch its drafting right behind the verify graph, from the
-graph's argmax on the device; the host then waits for that argmax alone.
+graph's argmax on the device; the host then waits for that argmax alone, or (async scheduling,
+`defer_verification`) for nothing: `collect` verifies, and the drafting left the next verify step's inputs and
+start corrections on the device (`ahead_inputs`), so the engine can launch that step first.
 A decode or verify step covered by a CUDA graph replays forward, logits and their argmax in one graph;
 an all-greedy decode batch without penalties, min_tokens or logprobs then takes the graph's argmax as its
 tokens (one replay, one device -> host copy of the ids), and an all-greedy verify step checks its drafts
@@ -257,6 +259,7 @@ class ModelRunner:
         elif (deferred := self._defer_verification(sched, outcome, sample_rows, t0)) is not None:
             return deferred
         else:
+            assert self._ahead is None, "a verify step launched ahead of the last one's verification must defer its own"
             if self._pending is not None:
                 self._fill_drafts(scheduled)  # waits for the drafts' copy, queued before this step's forward
             greedy_ids = self._drafting_before_verification(outcome)

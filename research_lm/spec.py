@@ -95,7 +95,10 @@ class Proposer(Protocol):
     `propose_before_verification(outcome) -> launch or None`: the runner calls it on a verify step right after the
     target's forward, before the host knows the emitted tokens (`outcome.emitted` still empty); a proposer that can
     draft there (on the device, from `outcome.greedy_ids`) returns the launch of that drafting, which the runner
-    calls once the argmax's copy to the host is queued, and `propose` then only hands out the drafts."""
+    calls once the argmax's copy to the host is queued, and `propose` then only hands out the drafts; with it,
+    `ahead_inputs(outcome) -> DeviceTokens`: each request's next verify inputs (its last emitted token, then its
+    drafts) with their start corrections (`DeviceTokens.start_shift`), which async scheduling feeds to the next step
+    before this one is verified."""
 
     num_speculative_tokens: int
     # Target layers whose input residual streams the proposer consumes (EAGLE-3); () for none.
