@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from research_lm.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from research_lm.outputs import RunnerOutput, SchedulerOutput
-from research_lm.request import Logprob, Request, RequestStatus
+from research_lm.request import PLACEHOLDER, Logprob, Request, RequestStatus
 from research_lm.sampling_params import SamplingParams
 from research_lm.scheduler import Scheduler
 from tests.test_kv_cache import assert_kv_invariants
@@ -528,6 +528,66 @@ def test_rejected_drafts_roll_back_num_computed_tokens():
     so, _ = scripted_step(sched, {"r0": [2]})  # all rejected
     assert so.scheduled[0].num_new_tokens == 3 and req.num_computed_tokens == 6
     assert (req.num_draft_tokens, req.num_accepted_tokens) == (5, 1)
+
+
+def test_verify_steps_scheduled_ahead_assume_every_draft_and_resolve_the_rejected_ones():
+    """Async scheduling of verify steps: `assume_launched` counts all k drafts as accepted (k + 1 placeholder outputs,
+    k placeholder drafts for the next step), the next verify step is scheduled from that guess, and each collected
+    step writes its tokens over its own placeholders and takes back the computed count of its rejected drafts; a
+    stop inside a step drops the step in flight behind it."""
+    sched = make_scheduler(block_size=2, max_model_len=40)
+    req = make_request(0, [1, 2, 3], eos=9, max_tokens=30)
+    sched.add_request(req)
+    scripted_step(sched, {"r0": [4]}, {"r0": [5, 6, 7]})  # prefill; drafts [5, 6, 7]
+    n = sched.schedule()  # step N verifies the three drafts
+    assert n.scheduled[0].num_new_tokens == 4
+    sched.assume_launched(n)
+    assert req.output_token_ids[1:] == [PLACEHOLDER] * 4 and req.spec_token_ids == [PLACEHOLDER] * 3
+    assert req.num_computed_tokens == 7 == req.num_tokens - 1
+    assert sched.can_schedule_ahead(n)
+    ahead = sched.schedule()  # step N + 1, before N is known: the newest token and 3 drafts, all on the device
+    assert ahead.scheduled[0].num_new_tokens == 4 and ahead.scheduled[0].spec_token_ids == [PLACEHOLDER] * 3
+    sched.assume_launched(ahead)
+    assert req.num_output_placeholders == 8 and req.num_computed_tokens == 11
+    # N accepted 5, rejected 6: it emits [5, 8]; its two other placeholders and their computed slots go
+    sched.update_from_output(n, RunnerOutput(["r0"], [[5, 8]]))
+    assert req.output_token_ids == [4, 5, 8] + [PLACEHOLDER] * 4 and req.num_computed_tokens == 9
+    assert (req.num_draft_tokens, req.num_accepted_tokens) == (3, 1)
+    assert req.spec_token_ids == [PLACEHOLDER] * 3, "N + 1's drafts, still in flight, are not N's to replace"
+    # N + 1 accepted all three and its bonus: no correction; nothing in flight now, so its proposal is taken
+    sched.update_from_output(ahead, RunnerOutput(["r0"], [[1, 2, 3, 4]], draft_token_ids={"r0": [6]}))
+    assert req.output_token_ids == [4, 5, 8, 1, 2, 3, 4] and req.num_computed_tokens == 9 == req.num_tokens - 1
+    assert req.spec_token_ids == [6] and (req.num_draft_tokens, req.num_accepted_tokens) == (6, 4)
+    # A stop (eos) inside a step drops the step in flight behind it
+    n = sched.schedule()
+    sched.assume_launched(n)
+    ahead = sched.schedule()
+    sched.assume_launched(ahead)
+    finished = sched.update_from_output(n, RunnerOutput(["r0"], [[9, 1]]))
+    assert finished == [req] and req.output_token_ids == [4, 5, 8, 1, 2, 3, 4, 9] and req.finish_reason == "stop"
+    assert not req.num_output_placeholders and not req.spec_token_ids
+    assert sched.update_from_output(ahead, RunnerOutput(["r0"], [[7]])) == [] and req.output_token_ids[-1] == 9
+    assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks - 1
+
+
+def _verify_step_in_flight(max_model_len: int, max_num_seqs: int = 8) -> tuple[Scheduler, SchedulerOutput]:
+    """A request of 8 tokens (3 drafts) whose verify step is launched and assumed."""
+    sched = make_scheduler(block_size=2, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    sched.add_request(make_request(0, [1, 2, 3], max_tokens=30))
+    scripted_step(sched, {"r0": [4]}, {"r0": [5, 6, 7]})
+    n = sched.schedule()
+    sched.assume_launched(n)
+    return sched, n
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_no_verify_step_is_scheduled_ahead_near_max_model_len_or_when_a_request_could_join(max_num_seqs):
+    sched, n = _verify_step_in_flight(max_model_len=14)  # the next step's drafts and tokens could pass 14
+    assert not sched.can_schedule_ahead(n)
+    sched, n = _verify_step_in_flight(max_model_len=40, max_num_seqs=max_num_seqs)
+    assert sched.can_schedule_ahead(n)
+    sched.add_request(make_request(1, [1, 2], max_tokens=5))  # waiting: it joins the next step if a seat is free
+    assert sched.can_schedule_ahead(n) == (max_num_seqs == 1)
 
 
 def test_drafts_are_trimmed_by_budget_and_max_model_len_not_max_tokens():
