@@ -294,16 +294,16 @@ class ModelRunner:
         launch = early(outcome)
         if not launch:
             return None
+        if self._pending is not None:  # this step's drafts: `collect` reads their values from its input ids
+            here = {s.request.request_id for s in sched.scheduled}
+            if any(r.request_id not in here and PLACEHOLDER in r.spec_token_ids for r in self._pending[1]):
+                self._fill_drafts(sched.scheduled)  # an unscheduled request holds some: resolve them before the
+                # drafting below overwrites their host copy
+            self._pending = None
         t = outcome.common.num_tokens
         host_ids, _ = self._host_ids.start_copy(outcome.greedy_ids[:t])
         host_inputs, copied = self._host_inputs.start_copy(outcome.input_ids[:t])  # fires after both copies
         launch()
-        if self._pending is not None:  # this step's drafts: `collect` reads their values from its input ids
-            proposal, requests = self._pending
-            here = {s.request.request_id for s in sched.scheduled}
-            if any(r.request_id not in here and PLACEHOLDER in r.spec_token_ids for r in requests):
-                self._fill_drafts(sched.scheduled)  # a request that was not scheduled holds some: resolve them
-            self._pending = None
         self._ahead = self.proposer.ahead_inputs(outcome)
         return PendingStep(sched, host_ids=host_ids, copied=copied, sample_rows=sample_rows,
                            verifying=(outcome, host_inputs, t0))
