@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import bisect
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,25 +150,34 @@ def buffer_addresses(buf: StepBuffers, common: CommonAttentionMetadata | None = 
     }
 
 
-def cuda_graph_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]:
-    """Warm fn up (compiles kernels, fills plan caches), capture it into a graph; replay returns its
-    static outputs, overwritten by each replay.
+@contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Python's garbage collector off, and every object alive on entry out of its reach, while graphs are captured.
 
-    Python's garbage collector stays off meanwhile (as vLLM's capture does). Why, as far as known: processes that had
-    made LLMs before (a Hydra sweep, the GPU tests) now and then failed a capture (CUBLAS_STATUS_EXECUTION_FAILED,
-    "operation failed due to a previous error during capture"), never a fresh process; a collection inside the
-    capture would free those LLMs' pinned buffers and events, and such CUDA calls invalidate a capture. Not yet
-    confirmed on the GPU (PERFORMANCE.md, seventeenth pass)."""
-    gc.collect()
+    Why: `torch.cuda.graph` collects garbage on entering each capture, which took 0.22 s in a sweep job (a process
+    holding transformers, Hydra and earlier jobs' objects) and there are 20-70 captures per LLM: half of every
+    spec_ablation job (PERFORMANCE.md, eighteenth pass). Frozen objects are not traversed, so those collections
+    become cheap. Off also as vLLM captures: processes that had made LLMs before now and then failed a capture
+    (CUBLAS_STATUS_EXECUTION_FAILED, "operation failed due to a previous error during capture"), and a collection
+    inside a capture would free those LLMs' pinned buffers and events, whose CUDA calls invalidate it."""
+    gc.collect()  # once: what is garbage now goes before the freeze
+    gc.freeze()
     gc.disable()
     try:
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            out = fn()
+        yield
     finally:
         gc.enable()
+        gc.unfreeze()
+
+
+def cuda_graph_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]:
+    """Warm fn up (compiles kernels, fills plan caches), capture it into a graph; replay returns its
+    static outputs, overwritten by each replay. Call it inside `gc_frozen` (the runner does)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
 
     def replay() -> Outputs:
         graph.replay()

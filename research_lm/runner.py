@@ -26,6 +26,7 @@ Each stage lives in a sibling module and enters here in one line; keep it that w
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,7 @@ from research_lm.cuda_graphs import (
     cuda_graph_capture,
     default_capture_sizes,
     default_prefill_sizes,
+    gc_frozen,
     uncapturable_reason,
     unsupported_reason,
 )
@@ -184,11 +186,16 @@ class ModelRunner:
             query_lens.append(self.proposer.num_speculative_tokens + 1)
         if prefill_sizes is None:
             prefill_sizes = default_prefill_sizes(self.buffers.max_num_tokens)
+        with gc_frozen() if capture is cuda_graph_capture else nullcontext():
+            self._capture(sizes, query_lens, prefill_sizes if multi_token else (), capture)
+        return None
+
+    def _capture(self, sizes: list[int], query_lens: list[int], prefill_sizes: list[int], capture: Capture) -> None:
         self.cuda_graphs = DecodeGraphs(
             self.forward, self.buffers, self.backends, sizes=sizes, query_lens=query_lens,
             block_size=self.block_size, max_seq_len=self.max_model_len,
             compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
-            prefill_sizes=prefill_sizes if multi_token else (), capture=capture,
+            prefill_sizes=prefill_sizes, capture=capture,
         )
         capture_drafts = getattr(self.proposer, "capture_cuda_graphs", None)
         if capture_drafts is not None:  # the drafter's prompt graphs: the lengths the target's serve
@@ -198,7 +205,6 @@ class ModelRunner:
                            verified_inputs=None if self.cuda_graphs.greedy_ids is None
                            else (self.cuda_graphs.greedy_ids, self.buffers.input_ids.gpu,
                                  self.buffers.positions.gpu))
-        return None
 
     # ---- one step -------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -23,6 +23,7 @@ from research_lm.cuda_graphs import (
     default_capture_sizes,
     default_prefill_sizes,
     eager_capture,
+    gc_frozen,
     graph_metadata,
     pad_step_inputs,
     unsupported_reason,
@@ -174,6 +175,26 @@ def test_unsupported_reason():
         cuda_graphs = False
 
     assert "Syncs" in unsupported_reason(torch.nn.Sequential(Syncs()), [get_backend("triton")], cuda)
+
+
+def test_gc_frozen_keeps_the_collector_off_and_earlier_objects_out_of_reach_until_it_ends():
+    import gc
+    import weakref
+
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me = garbage
+    dead = weakref.ref(garbage)
+    del garbage  # cyclic garbage: the collection on entry frees it (frozen, it would outlive every collection)
+    frozen_before = gc.get_freeze_count()
+    with pytest.raises(RuntimeError, match="capture failed"), gc_frozen():
+        assert dead() is None
+        assert not gc.isenabled()
+        assert gc.get_freeze_count() > frozen_before
+        raise RuntimeError("capture failed")
+    assert gc.isenabled() and gc.get_freeze_count() == frozen_before
 
 
 def test_graph_logits_and_argmax_land_in_persistent_buffers():
