@@ -160,24 +160,33 @@ def gc_frozen() -> Iterator[None]:
     become cheap. Off also as vLLM captures: processes that had made LLMs before now and then failed a capture
     (CUBLAS_STATUS_EXECUTION_FAILED, "operation failed due to a previous error during capture"), and a collection
     inside a capture would free those LLMs' pinned buffers and events, whose CUDA calls invalidate it."""
+    was_enabled = gc.isenabled()
     gc.collect()  # once: what is garbage now goes before the freeze
     gc.freeze()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
         gc.unfreeze()
 
 
 def cuda_graph_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]:
     """Warm fn up (compiles kernels, fills plan caches), capture it into a graph; replay returns its
-    static outputs, overwritten by each replay. Call it inside `gc_frozen` (the runner does)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
+    static outputs, overwritten by each replay. The collector is off meanwhile (`gc_frozen` says why); call it inside
+    `gc_frozen`, as the runner does, or each capture's own collection traverses every object of the process."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        if was_enabled:
+            gc.enable()
 
     def replay() -> Outputs:
         graph.replay()
