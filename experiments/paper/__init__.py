@@ -215,7 +215,7 @@ TABLES: dict[str, Table] = {
         what="spec_ablation on the GPU reference target: every proposer x k {1,3,5} x batch {1,8,32} x temperature "
              "{0,1}: tau, acceptance per position, draft vs verify time, speedup vs no speculation",
         device="cuda", measured_on="NVIDIA H100",
-        minutes="~6 min with --gpus 4 (270 jobs; + ~8.5 min training when missing)",
+        minutes="~21 min on one H100, 15 parts of 66-94 s (270 jobs; + ~8.5 min training when missing)",
         sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
                f"model.name={_REF}/target", "spec.num_speculative_tokens=1,3,5", "workload.temperature=0.0,1.0",
                "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
@@ -238,8 +238,9 @@ TABLES: dict[str, Table] = {
               "(speedup: whole-workload output tok/s, prefill included; tpot_ratio compares decoding alone). CUDA "
               "graphs: decode and verify steps, one request's prompt (a prompt joining running requests gets a step "
               "of its own: runner.separate_prefills), and whole drafting steps of the model-based drafters (entry "
-              "forward + chain in one replay; what each commit captures: experiments/results/PERFORMANCE.md). The "
-              "baseline schedules asynchronously; speculative runs do not.",
+              "forward + chain in one replay; what each commit captures: experiments/results/PERFORMANCE.md). Both "
+              "runs schedule asynchronously: greedy EAGLE / EAGLE-3 verify steps launch before the previous one is "
+              "verified on the host, other speculative steps are collected before the next is scheduled.",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
