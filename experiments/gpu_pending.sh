@@ -44,8 +44,10 @@
 # showed twice in four runs and then not again: watch for it).
 # Session 18 (async scheduling of EAGLE/EAGLE-3 verify steps, 6266b15) ran the GPU tests at 1f2feac: one failure of the
 # same kind (CUBLAS_STATUS_EXECUTION_FAILED capturing draft graphs, late in the run), and one spec_ablation_h200 sweep
-# part failed so too. d710295 turns Python's GC off during captures; unconfirmed: run `tests` twice, then
-# `python -m experiments.paper spec_ablation_h200 --gpus 4` (its committed table predates async speculative steps).
+# part failed so too. d710295 turns Python's GC off during captures.
+# Session 19 ran `tests` at b87f70c (passed), at b9cf3f2 (one capture failure, in the one capture made with the collector
+# on) and twice at 5e49910 (passed: cuda_graph_capture keeps it off); and spec_ablation_h200 at b9cf3f2 on one H100
+# (15 parts of 66-94 s from --print-commands over three calls, --from-sweep): no capture failure in 270 jobs.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
