@@ -210,6 +210,20 @@ class Drafting:
                 self.probs[a].append(probs[r])
         return tokens
 
+    def add_independent(self, logits: torch.Tensor, vocab_size: int) -> None:
+        """Every draft at once from logits [A, >= max budget, >= vocab_size] whose draft j does not depend on drafts
+        before it (Medusa's heads all read one hidden state), where `pick_rule` is not None: then no pick reads an
+        earlier draft's value (no penalty), only its count (the output position). The same tokens and q as `add` draft
+        by draft, in one `pick_tokens` batch and one host copy instead of one per draft."""
+        at = [(a, j) for a, b in enumerate(self.budget) for j in range(b)]
+        rows = [SamplingRow(self.requests[a], then=[*self.emitted[a], *[PLACEHOLDER] * j]) for a, j in at]
+        index = torch.tensor(at, dtype=torch.int64, device=logits.device).T
+        tokens, probs = pick_tokens(logits[index[0], index[1], :vocab_size], rows, vocab_size, self.need_probs)
+        for r, ((a, _), t) in enumerate(zip(at, tokens.tolist(), strict=True)):
+            self.tokens[a].append(t)
+            if probs is not None:
+                self.probs[a].append(probs[r])
+
     def chain(
         self,
         logits: torch.Tensor,  # [len(index), >= vocab] the drafter's logits at each request's last row

@@ -133,12 +133,16 @@ class MedusaProposer:
         ]
         hidden = outcome.hidden_states[torch.tensor(rows, dtype=torch.int64, device=outcome.hidden_states.device)]
         logits = self.heads(hidden, self.num_speculative_tokens)  # [R, k, V]: heads past k would go unused
-        if drafting.pick_rule(self.vocab_size) == "argmax":  # every draft a raw argmax, left on the device
+        rule = drafting.pick_rule(self.vocab_size)
+        if rule == "argmax":  # every draft a raw argmax, left on the device
             top = logits[:, :, : self.vocab_size].argmax(dim=-1)  # [R, k]
             drafting.tokens = [[PLACEHOLDER] * b for b in drafting.budget]
             drafting.pending = PendingDrafts.start(top, {r.request_id: a for a, r in enumerate(drafting.requests)})
             return drafting.proposal(reqs)
-        for j in range(self.num_speculative_tokens):
+        if rule == "sample":  # the heads do not read each other's drafts: all of them in one batch
+            drafting.add_independent(logits, self.vocab_size)
+            return drafting.proposal(reqs)
+        for j in range(self.num_speculative_tokens):  # a penalty reads the drafts before: one at a time
             active = drafting.active(j)
             if not active:
                 break

@@ -124,3 +124,28 @@ def test_stacked_heads_compute_what_the_heads_compute_one_by_one(tmp_path):
     weights, _, lm_head = heads._stacked  # the parameters are views of the stacked tensors: nothing held twice
     assert heads[1][-1].weight.data_ptr() == lm_head[1].data_ptr()
     assert heads[2][1].linear.weight.data_ptr() == weights[1][2].data_ptr()
+
+
+def test_independent_drafts_in_one_batch_equal_drafts_picked_one_at_a_time():
+    """Medusa's sampled drafts (`Drafting.add_independent`): one `pick_tokens` batch over every (request, draft) row
+    gives the tokens and q that `add` gives draft by draft, for seeded and greedy rows and uneven budgets."""
+    from research_lm.request import Request
+    from spec_decode.heads import start_drafting
+
+    def requests():
+        return [Request(f"r{i}", [1, 2, 3, 4], SamplingParams(temperature=t, seed=s, max_tokens=40), seed=i)
+                for i, (t, s) in enumerate([(1.0, 7), (0.0, None), (0.7, None), (1.3, 11)])]
+
+    emitted = [[5], [6, 7], [8], [9, 10, 11]]
+    logits = torch.randn(4, 3, V, generator=torch.Generator().manual_seed(0)) * 3
+    batched = start_drafting(requests(), emitted, 3, max_model_len=10)
+    assert batched.budget == [3, 3, 3, 2] and batched.pick_rule(V) == "sample"  # r3: room for two drafts
+    batched.add_independent(logits, V)
+    one_by_one = start_drafting(requests(), emitted, 3, max_model_len=10)
+    for j in range(3):
+        active = one_by_one.active(j)
+        one_by_one.add(active, logits[active, j], V)
+    assert batched.tokens == one_by_one.tokens
+    assert len({tuple(t) for t in batched.tokens}) == 4  # the rows drew different drafts
+    for got, want in zip(batched.probs, one_by_one.probs, strict=True):
+        assert torch.equal(torch.stack(got), torch.stack(want))
