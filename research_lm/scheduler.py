@@ -362,51 +362,46 @@ class Scheduler:
         num_rejected = num_drafts + 1 - len(sampled) if sampled else 0
         assert 0 <= num_rejected <= num_drafts, f"{len(sampled)} tokens for {num_drafts} drafts"
         request.num_computed_tokens += sched.num_new_tokens - num_rejected
-        if num_drafts:
-            request.num_draft_tokens += num_drafts
-            request.num_accepted_tokens += len(sampled) - 1
-        for j, token in enumerate(sampled):
-            request.output_token_ids.append(token)
-            if logprobs:  # [] where this request asked for none while another in the step did
-                request.output_logprobs.append(logprobs[j])
-            if request.first_token_time is None:
-                request.first_token_time = time.perf_counter()
-            reason = self._check_stop(request, token, request.num_output_tokens)
-            if reason is not None:
-                request.finish_reason = reason
-                break
-        # After a stop inside accepted drafts, computed KV past the last kept token is moot.
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        first = request.num_output_tokens
+        request.output_token_ids += sampled
+        self._emitted(request, sched, sampled, logprobs, first)
 
     def _resolve(self, request: Request, sched: ScheduledRequest, sampled: list[int],
                  logprobs: list[dict[int, Logprob]] | None) -> None:
         """Async scheduling: write a step's collected tokens over the request's oldest placeholders (those the
         step assumed: its drafts + 1), drop the rest with the computed count of its rejected drafts, and check
-        stops; a stop drops the later placeholders (their step computed for nothing)."""
+        stops."""
         if not sampled:  # a prompt chunk that did not reach the end
             return
-        num_drafts = len(sched.spec_token_ids)
-        assumed = num_drafts + 1
-        assert 1 <= len(sampled) <= assumed, f"{len(sampled)} tokens for {num_drafts} drafts"
-        j = request.num_output_tokens - request.num_output_placeholders  # the oldest placeholder
-        request.output_token_ids[j : j + assumed] = sampled
+        assumed = len(sched.spec_token_ids) + 1
+        assert 1 <= len(sampled) <= assumed, f"{len(sampled)} tokens for {assumed - 1} drafts"
+        first = request.num_output_tokens - request.num_output_placeholders  # the oldest placeholder
+        request.output_token_ids[first : first + assumed] = sampled
         request.num_output_placeholders -= assumed
         request.num_computed_tokens -= assumed - len(sampled)
-        if num_drafts:
-            request.num_draft_tokens += num_drafts
+        self._emitted(request, sched, sampled, logprobs, first)
+
+    def _emitted(self, request: Request, sched: ScheduledRequest, sampled: list[int],
+                 logprobs: list[dict[int, Logprob]] | None, first: int) -> None:
+        """A step's emitted tokens, now the request's outputs first .. first + len(sampled) - 1: acceptance counts,
+        logprobs, the first token's time, stops. A stop drops every output after it: the step's later tokens and
+        (async scheduling) the placeholders of a step in flight, which computed for nothing."""
+        if sched.spec_token_ids:
+            request.num_draft_tokens += len(sched.spec_token_ids)
             request.num_accepted_tokens += len(sampled) - 1
         for u, token in enumerate(sampled):
-            if logprobs:
+            if logprobs:  # [] where this request asked for none while another in the step did
                 request.output_logprobs.append(logprobs[u])
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
-            reason = self._check_stop(request, token, j + u + 1)
+            reason = self._check_stop(request, token, first + u + 1)
             if reason is not None:
                 request.finish_reason = reason
-                del request.output_token_ids[j + u + 1 :]
+                del request.output_token_ids[first + u + 1 :]
                 request.num_output_placeholders = 0
-                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                return
+                break
+        # After a stop inside accepted drafts, computed KV past the last kept token is moot.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
 
     def _check_stop(self, request: Request, token: int, num_output: int) -> str | None:
         """Whether `token`, the request's output number `num_output`, stops it."""
