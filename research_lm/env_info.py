@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 _PACKAGES = ("torch", "triton", "transformers", "safetensors", "numpy", "hydra-core", "wandb", "flashinfer-python")
+CONSTRAINTS = Path(__file__).resolve().parent.parent / "constraints.txt"  # the tested versions (README's install)
 
 
 def _version(pkg: str) -> str | None:
@@ -21,6 +22,20 @@ def _version(pkg: str) -> str | None:
         return importlib.metadata.version(pkg)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def locked_versions(path: Path = CONSTRAINTS) -> dict[str, str]:
+    """Package -> version pinned in the constraints file (empty when it is not beside the package)."""
+    if not path.is_file():
+        return {}
+    pins = (line.split("#")[0].strip().partition("==") for line in path.read_text().splitlines())
+    return {name.lower(): version for name, sep, version in pins if sep}
+
+
+def lock_differences(installed: dict[str, str | None], locked: dict[str, str]) -> dict[str, dict[str, str | None]]:
+    """The packages whose installed version is not the tested one (a local build tag such as +cu132 aside)."""
+    return {p: {"installed": v, "tested": locked[p]} for p, v in installed.items()
+            if p in locked and (v or "").split("+")[0] != locked[p]}
 
 
 def git_state(repo: Path | None = None) -> dict[str, object]:
@@ -93,6 +108,7 @@ def environment(device: torch.device) -> dict[str, object]:
         "device": str(device),
         "device_name": device_name(device),
         "cpu_count": torch.get_num_threads(),
-        "packages": {p: _version(p) for p in _PACKAGES},
+        "packages": (packages := {p: _version(p) for p in _PACKAGES}),
+        "differs_from_constraints": lock_differences(packages, locked_versions()),
         "git": git_state(),
     }

@@ -56,7 +56,9 @@ def _graph_step_inputs_kernel(
         at = tl.load(staging_ptr + b * q + 2 * b + 1 + i)
         start += tl.load(shift_ptr + tl.maximum(at, 0), mask=real & (at >= 0), other=0)
     pos = start + j
-    block = tl.load(bt_ptr + i * bt_stride + tl.minimum(pos // bs, last_block), mask=jm & real, other=0)
+    # a block mask, not `jm & real`: triton 3.9's interpreter widens a block & scalar of bools to int64
+    live = j < tl.where(real, q, 0)
+    block = tl.load(bt_ptr + i * bt_stride + tl.minimum(pos // bs, last_block), mask=live, other=0)
     tl.store(ids_ptr + t, tl.where(real, ids, 0), mask=jm)
     tl.store(pos_ptr + t, tl.where(real, pos, 0), mask=jm)
     tl.store(slots_ptr + t, tl.where(real, block.to(tl.int64) * bs + pos % bs, -1), mask=jm)

@@ -34,3 +34,18 @@ def test_without_a_matching_orig_argv_the_main_path_becomes_dash_m():
     assert command_line(argv, worker) == "python -m research_lm -m hydra/launcher=joblib spec=ngram,eagle3"
     assert command_line([MAIN], worker) == "python -m research_lm"
     assert command_line(["bench.py", "--x"], []) == "python bench.py --x"
+
+
+def test_env_records_which_packages_differ_from_the_tested_versions(tmp_path):
+    from research_lm.env_info import CONSTRAINTS, environment, lock_differences, locked_versions
+
+    lock = tmp_path / "constraints.txt"
+    lock.write_text("# a comment\ntorch==2.15.0\ntriton==3.9.0  # pinned\nnumpy==2.4.6\n")
+    locked = locked_versions(lock)
+    assert locked == {"torch": "2.15.0", "triton": "3.9.0", "numpy": "2.4.6"}
+    installed = {"torch": "2.15.0+cu132", "triton": "3.6.0", "numpy": "2.4.6", "wandb": "0.19"}
+    assert lock_differences(installed, locked) == {"triton": {"installed": "3.6.0", "tested": "3.9.0"}}
+    assert set(locked_versions(CONSTRAINTS)) >= {"torch", "triton", "transformers", "hydra-core", "pytest"}
+    import torch
+
+    assert "differs_from_constraints" in environment(torch.device("cpu"))
