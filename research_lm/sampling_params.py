@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from research_lm.checks import checked
 
 _GREEDY_EPS = 1e-5
+
+# field -> its kind (research_lm.checks; "?": None allowed). logit_bias, a dict, is checked on its own.
+_KINDS = {
+    "n": "posint", "temperature": "number", "top_p": "number", "top_k": "int", "min_p": "number",
+    "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
+    "seed": "int?", "max_tokens": "posint?", "min_tokens": "count", "logprobs": "count?",
+    "stop": "strs?", "stop_token_ids": "ints?", "include_stop_str_in_output": "bool", "ignore_eos": "bool",
+    "skip_special_tokens": "bool", "allowed_token_ids": "ints?",
+}
 
 
 @dataclass
@@ -31,16 +43,17 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these ids
 
     def __post_init__(self) -> None:
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Types first (numpy scalars become ints and floats), so a bad field is refused here, naming itself,
+        # not deep in the sampler; the range checks below then compare numbers.
+        for name, kind in _KINDS.items():
+            setattr(self, name, checked(f"SamplingParams.{name}", getattr(self, name), kind))
+        self.stop = self.stop or []
+        self.stop_token_ids = self.stop_token_ids or []
         if self.top_k == -1:
             self.top_k = 0
-        if self.logit_bias is not None:  # JSON keys arrive as strings, as vLLM accepts them
-            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias) or None
         checks = [
-            ("n", isinstance(self.n, int) and self.n >= 1, "must be a positive integer"),
             ("temperature", self.temperature >= 0.0, "must be >= 0"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),
@@ -48,16 +61,11 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 or None"),
-            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0 or None"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "must be non-negative integers"),
-            ("logit_bias", all(t >= 0 and math.isfinite(b) for t, b in (self.logit_bias or {}).items()),
-             "must map non-negative token ids to finite floats"),
+            ("stop", all(self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative integers"),
+            ("logit_bias", all(t >= 0 for t in self.logit_bias or {}), "must map non-negative token ids to numbers"),
             ("allowed_token_ids", self.allowed_token_ids is None or (
-                len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+                self.allowed_token_ids and all(t >= 0 for t in self.allowed_token_ids)),
              "must be a non-empty list of non-negative integers"),
         ]
         for name, ok, rule in checks:
@@ -88,3 +96,17 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a presence, frequency or repetition penalty applies (it reads the output tokens)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _checked_logit_bias(bias: Any) -> dict[int, float]:
+    """{token id: bias} with int keys and float values. JSON object keys arrive as strings ("42"), which vLLM
+    accepts too; a key that is no integer, or a value that is no finite number, is refused naming logit_bias."""
+    try:
+        if not isinstance(bias, Mapping):
+            raise ValueError
+        return {checked("logit_bias key", int(t) if isinstance(t, str) else t, "int"):
+                checked("logit_bias value", b, "number") for t, b in bias.items()}
+    except ValueError:  # int("abc") or a checked(...): one message that shows the whole mapping
+        raise ValueError(
+            f"SamplingParams.logit_bias must map token ids (integers) to finite numbers, got {bias!r}"
+        ) from None

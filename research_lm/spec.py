@@ -7,6 +7,7 @@ proposer and verifies what comes back next step.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ import torch
 
 from attention_zoo import CommonAttentionMetadata
 from research_lm.buffers import DeviceTokens
+from research_lm.checks import checked
 from research_lm.request import PLACEHOLDER, Request
 
 
@@ -151,20 +153,39 @@ def speculative_method(speculative_config: dict[str, Any]) -> str | None:
 # speculative_config keys every method reads, and those only some read (vLLM's names).
 _COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"}
 _METHOD_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "eagle3": {"eagle_aux_hidden_state_layer_ids"}}
+# key -> the kind of its value (research_lm.checks); None leaves a key unset (conf/spec's yaml writes nulls)
+_KINDS = {
+    "method": "str?", "model": "path?", "num_speculative_tokens": "posint?", "draft_tensor_parallel_size": "posint?",
+    "prompt_lookup_min": "posint?", "prompt_lookup_max": "posint?", "eagle_aux_hidden_state_layer_ids": "ints?",
+}
 
 
-def build_proposer(speculative_config: dict[str, Any], target: Any) -> Proposer:
-    method = speculative_method(speculative_config)
-    speculative_config = {**speculative_config, "method": method}
+def check_speculative_config(speculative_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with every value checked (numpy ints become ints) and its method resolved
+    (`speculative_method`); errors name the key. Cheap (at most a head's config.json is read), so the `LLM`
+    calls it before loading any weights; `build_proposer` calls it again for engines built otherwise."""
+    if not isinstance(speculative_config, Mapping):
+        raise ValueError(f"speculative_config must be a dict of vLLM's keys, got {speculative_config!r}")
+    # unknown keys pass through here: refused below, with the valid ones for the method listed
+    config = {k: checked(f"speculative_config[{k!r}]", v, _KINDS[k]) if k in _KINDS else v
+              for k, v in speculative_config.items()}
+    method = speculative_method(config)
+    config["method"] = method
     if method not in _PROPOSER_MODULES:
         raise ValueError(f"unknown speculative method {method!r}; choose one of {sorted(_PROPOSER_MODULES)}")
     valid = _COMMON_KEYS | _METHOD_KEYS.get(method, set())
-    unknown = sorted(set(speculative_config) - valid)
+    unknown = sorted(set(config) - valid)
     if unknown:  # a misspelt knob must not fall back to its default unnoticed
         raise ValueError(f"unknown speculative_config key(s) {unknown} for {method!r}; valid ones: {sorted(valid)}")
-    if speculative_config.get("draft_tensor_parallel_size", 1) != 1:
-        raise ValueError(f"draft_tensor_parallel_size={speculative_config['draft_tensor_parallel_size']}: the drafter "
+    if config.get("draft_tensor_parallel_size", 1) not in (1, None):
+        raise ValueError(f"draft_tensor_parallel_size={config['draft_tensor_parallel_size']}: the drafter "
                          "runs on the target's one GPU (tensor parallelism is not implemented)")
+    return config
+
+
+def build_proposer(speculative_config: Mapping[str, Any], target: Any) -> Proposer:
+    speculative_config = check_speculative_config(speculative_config)
+    method = speculative_config["method"]
     module_name, factory = _PROPOSER_MODULES[method].split(":")
     try:
         module = importlib.import_module(module_name)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from research_lm.checks import checked
 from research_lm.moe.experts import resolve_moe_backend
+
+# eplb_config key -> its kind (research_lm.checks; "?": None allowed); the keys are EplbSettings' fields.
+_KINDS = {
+    "policy": "str", "step_interval": "count", "window_size": "posint", "max_rebalances": "count?",
+    "num_ep_ranks": "posint", "num_nodes": "posint", "num_redundant_experts": "count", "record_trace": "path?",
+    "expert_parallel": "bool",
+}
 
 
 @dataclass(frozen=True)
@@ -25,32 +34,27 @@ class EplbSettings:
     # Real EP over the torchrun processes (research_lm.distributed): num_ep_ranks must equal WORLD_SIZE.
     expert_parallel: bool = False
 
-    @classmethod
-    def from_dict(cls, config: dict[str, Any] | None) -> EplbSettings:
-        config = dict(config or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"unknown eplb config key(s) {unknown}; known: {sorted(known)}")
-        settings = cls(**config)
-        settings.validate()
-        return settings
-
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        """Every value checked (numpy ints become ints) when the settings are made, before any model is built:
+        the engine parses its eplb_config first thing."""
         from research_lm.eplb import available_policies
 
+        for name, kind in _KINDS.items():  # frozen: set through object's own __setattr__
+            object.__setattr__(self, name, checked(f"eplb.{name}", getattr(self, name), kind))
         if self.policy not in available_policies():
             raise ValueError(f"unknown EPLB policy {self.policy!r}; choose one of {available_policies()}")
-        for name in ("step_interval", "num_redundant_experts"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"eplb.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("window_size", "num_ep_ranks", "num_nodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"eplb.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_rebalances is not None and self.max_rebalances < 0:
-            raise ValueError(f"eplb.max_rebalances must be >= 0 or null, got {self.max_rebalances}")
         if self.num_ep_ranks % self.num_nodes:
             raise ValueError(f"eplb.num_ep_ranks ({self.num_ep_ranks}) must divide by num_nodes ({self.num_nodes})")
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any] | None) -> EplbSettings:
+        if config is not None and not isinstance(config, Mapping):
+            raise ValueError(f"eplb_config must be a dict of {sorted(_KINDS)} (or None), got {config!r}")
+        config = dict(config or {})
+        unknown = sorted(set(config) - set(_KINDS))
+        if unknown:
+            raise ValueError(f"unknown eplb config key(s) {unknown}; known: {sorted(_KINDS)}")
+        return cls(**config)
 
     def check_experts(self, num_experts: int) -> None:
         """The placement constraints that depend on the model: raised while the model is built."""

@@ -1,0 +1,87 @@
+"""Type checks for values users hand in (request fields, config dicts), shared by `SamplingParams`,
+`speculative_config` and `eplb_config`: a wrong type is refused at the edge with the field's name, instead of
+failing deep inside (`int('abc')` in the RNG, a float in `topk`) and taking the batch down with it.
+
+    checked("SamplingParams.seed", value, "int?")   # -> an int or None, else ValueError naming the field
+
+Kinds (a trailing "?" also takes None): int, posint (>= 1), count (>= 0), number (int or float, finite), bool,
+str, path (str or os.PathLike), ints (a list of ints), strs (a string or a list of strings; a string becomes [s]).
+numpy scalars pass as the Python type they stand for (and come back converted to it); bool is never a number.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from numbers import Integral, Real
+from typing import Any
+
+
+class _Bad(Exception):
+    """A value not of its kind (turned into the ValueError that names the field)."""
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, Integral) and not isinstance(v, bool):  # True is an int to Python, never a count here
+        return int(v)
+    raise _Bad
+
+
+def _at_least(low: int) -> Callable[[Any], int]:
+    def convert(v: Any) -> int:
+        if (i := _int(v)) < low:
+            raise _Bad
+        return i
+
+    return convert
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    raise _Bad
+
+
+def _instance(*types: type) -> Callable[[Any], Any]:
+    def convert(v: Any) -> Any:
+        if isinstance(v, types):
+            return v
+        raise _Bad
+
+    return convert
+
+
+def _list_of(item: Callable[[Any], Any]) -> Callable[[Any], list]:
+    def convert(v: Any) -> list:
+        if isinstance(v, str | bytes | Mapping) or not isinstance(v, Iterable):  # "123" is not a list of ids
+            raise _Bad
+        return [item(x) for x in v]
+
+    return convert
+
+
+# kind -> (the rule an error states, conversion to the plain Python value that raises _Bad)
+KINDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "int": ("an integer", _int),
+    "posint": ("a positive integer", _at_least(1)),
+    "count": ("a non-negative integer", _at_least(0)),
+    "number": ("a finite number", _number),
+    "bool": ("True or False", _instance(bool)),
+    "str": ("a string", _instance(str)),
+    "path": ("a path (a string)", _instance(str, os.PathLike)),
+    "ints": ("a list of integers", _list_of(_int)),
+    "strs": ("a string or a list of strings", lambda v: [v] if isinstance(v, str) else _list_of(_instance(str))(v)),
+}
+
+
+def checked(label: str, value: Any, kind: str) -> Any:
+    """`value` as `kind`'s plain Python value; ValueError `<label> must be <rule>, got <value!r>` if it is not one."""
+    optional = kind.endswith("?")
+    rule, convert = KINDS[kind.removesuffix("?")]
+    if value is None and optional:
+        return None
+    try:
+        return convert(value)
+    except _Bad:
+        raise ValueError(f"{label} must be {rule}{' or None' if optional else ''}, got {value!r}") from None
