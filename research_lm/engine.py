@@ -42,8 +42,8 @@ class ModelInfo:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         device = config.resolve_device()
+        self.config = config = config.for_device(device)
         if config.host_threads is not None:
             torch.set_num_threads(config.host_threads)
         self.ep = setup_expert_parallel(config.eplb_config, device)  # eplb.expert_parallel, under torchrun
@@ -87,6 +87,9 @@ class LLMEngine:
         if self.ep is not None:  # the ranks' schedules must match: the same KV budget everywhere
             self.num_blocks = self.ep.agree_min(self.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks, dtype)
+        # what "auto" chose: layer kind -> backend name (the drafter's layers included)
+        self.backends = {layer.spec.kind: layer.backend.name for layer in self.runner.cache_layers}
+        logger.info("attention backends: %s", self.backends)
         capture = config.cuda_graphs and device.type == "cuda"  # CPU runs are always eager
         if capture and (reason := self.runner.capture_cuda_graphs(config.cuda_graph_sizes, config.prefill_graph_sizes)):
             logger.warning("CUDA graphs are off: %s; every step runs eagerly", reason)
@@ -224,24 +227,62 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, update requests; return the requests that finished."""
+        """Schedule, run the model once, update requests; return the requests that finished.
+
+        A host-side exception in the step fails only the requests it concerns (`_recover`); CUDA errors, which
+        poison the context, are out of reach."""
         finished, self._rejected = self._rejected, []
-        if self.async_scheduling:
-            finished += self._step_async()
-        elif self.scheduler.has_unfinished_requests():
-            t0 = time.perf_counter()
-            sched = self.scheduler.schedule()
-            out = self.runner.execute(sched)
-            if self.ep is not None:  # rank 0's tokens (and drafts, by value): the ranks' schedules cannot drift apart
-                self.runner.resolve_drafts()
-                out = self.ep.from_rank0(out)
-            if self.eplb is not None:
-                self.eplb.step()
-            finished += self.scheduler.update_from_output(sched, out)
-            self.metrics.record_step(sched, out, self.scheduler.stats(), time.perf_counter() - t0)
-        outputs = [self.make_output(r) for r in finished]
+        try:
+            if self.async_scheduling:
+                finished += self._step_async()
+            elif self.scheduler.has_unfinished_requests():
+                finished += self._step_sync()
+        except Exception as e:
+            if self.ep is not None:  # the ranks keep one schedule: a recovery on one rank alone would split them
+                raise
+            finished += self._recover(e)
+        outputs = [self._output(r) for r in finished]
         self.metrics.record_finished(outputs)
         return outputs
+
+    def _step_sync(self) -> list[Request]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        out = self.runner.execute(sched)
+        if self.ep is not None:  # rank 0's tokens (and drafts, by value): the ranks' schedules cannot drift apart
+            self.runner.resolve_drafts()
+            out = self.ep.from_rank0(out)
+        if self.eplb is not None:
+            self.eplb.step()
+        finished = self.scheduler.update_from_output(sched, out)
+        self.metrics.record_step(sched, out, self.scheduler.stats(), time.perf_counter() - t0)
+        return finished
+
+    def _recover(self, error: Exception) -> list[Request]:
+        """After a step failed: drop the step in flight, make the runner forget every request (`ModelRunner.reset`)
+        and let the scheduler roll the requests back and find the culprit by running each suspect alone
+        (`Scheduler.recover`). Returns the requests that failed: finished with "error" and the message."""
+        message = f"{type(error).__name__}: {error}"
+        self._in_flight = None
+        self.runner.reset()
+        failed = self.scheduler.recover(message)
+        self.metrics.num_failed_steps += 1
+        if failed:
+            logger.warning("request %r failed in a step of its own and finishes with error: %s",
+                           failed[0].request_id, message, exc_info=error)
+        else:
+            logger.warning("a step failed (%s): its requests recompute, each alone first, to find the one that fails",
+                           message)
+        return failed
+
+    def _output(self, req: Request) -> RequestOutput:
+        """`make_output`, or where that fails (e.g. its tokens do not detokenize) the request's error output."""
+        try:
+            return self.make_output(req)
+        except Exception as e:
+            req.finish_reason, req.error, req.output_text = "error", f"{type(e).__name__}: {e}", ""
+            logger.warning("request %r failed and finishes with error: %s", req.request_id, req.error, exc_info=e)
+            return self.make_output(req)
 
     def _step_async(self) -> list[Request]:
         """Launch the next step, then collect the one in flight: the host's scheduling and input preparation

@@ -27,12 +27,13 @@ class EngineMetrics:
     start_time: float = field(default_factory=time.perf_counter)
     num_prompt_tokens_computed: int = 0
     num_output_tokens: int = 0
+    num_failed_steps: int = 0  # steps that raised: their requests were rolled back (`LLMEngine._recover`)
 
     def reset(self) -> None:
         self.steps.clear()
         self.finished.clear()
         self.start_time = time.perf_counter()
-        self.num_prompt_tokens_computed = self.num_output_tokens = 0
+        self.num_prompt_tokens_computed = self.num_output_tokens = self.num_failed_steps = 0
 
     def record_step(self, sched: SchedulerOutput, out: RunnerOutput, stats: Any, seconds: float) -> None:
         emitted = sum(len(t) for t in out.sampled_token_ids)
@@ -65,6 +66,7 @@ class EngineMetrics:
         out: dict[str, Any] = {
             "num_requests": len(self.finished),
             "num_failed_requests": len(self.finished) - len(ok),
+            "num_failed_steps": self.num_failed_steps,
             "num_steps": len(self.steps),
             "elapsed_s": elapsed,
             "prompt_tokens": prompt_tokens,

@@ -217,6 +217,19 @@ class ModelRunner:
         self._latest = self._launch(sched)
         return self._latest
 
+    def reset(self) -> None:
+        """Forget every request and every launched step, after a step failed on the host (the scheduler preempts
+        its requests: `Scheduler.recover`): their rows, draft q and the proposer's state go, and the next step
+        reads nothing a failed or dropped step left (its sampled ids, drafts or next inputs on the device)."""
+        if self.device.type == "cuda":  # a dropped step may still write the blocks the scheduler frees
+            torch.cuda.synchronize(self.device)
+        gone = set(self.rows.row_of) | set(self.draft_probs)
+        self.rows.remove(gone)
+        self.draft_probs.clear()
+        if self.proposer is not None and gone:
+            self.proposer.on_requests_removed(gone)
+        self._pending = self._last_sampled = self._ahead = self._latest = None
+
     def continues_on_device(self, step: PendingStep) -> bool:
         """Whether the next step of `step`'s requests can be launched before `step` is collected: it is a deferred
         verify step, nothing was launched after it, and its requests' next inputs wait on the device."""

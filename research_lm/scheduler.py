@@ -14,6 +14,10 @@ Invariants (asserted by tests/test_scheduler.py):
   a step that preempts, no waiting request is admitted.
 - `finished_req_ids` / `preempted_req_ids` name every request whose runner row must go since the
   previous step (a runner ignores ids it does not hold, e.g. a request aborted while waiting).
+- Failure isolation: a request whose tokens fail to fold (`update_from_output`) finishes alone with "error". After
+  a step failed elsewhere (`recover`: the engine caught an exception and made the runner forget every request),
+  every running request is preempted and becomes a suspect; while there are suspects each step is one of them
+  alone, until it emits a token; a suspect that fails alone finishes with "error".
 
 Async scheduling (`LLMEngine` with `async_scheduling`): the engine schedules and launches step N + 1 before
 it collects step N. `assume_launched(N)` advances N's requests as if each emitted all it can: one token, or
@@ -34,6 +38,7 @@ num_new_tokens) of `all_token_ids + spec_token_ids`, reading `request.num_comput
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -42,6 +47,8 @@ from research_lm.kv_cache import KVCacheManager
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from research_lm.request import PLACEHOLDER, Logprob, Request, RequestStatus
 from research_lm.stop_strings import StopStrings
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,6 +110,10 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
         self._finished_since_schedule: set[str] = set()
+        # Requests of a failed step not yet cleared, by id in admission order (`recover`), and the one the latest
+        # step ran alone: it is the culprit if that step fails.
+        self.suspects: dict[str, Request] = {}
+        self._isolating: Request | None = None
 
     # ---- queue API ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -158,12 +169,39 @@ class Scheduler:
         """One step's batch: running requests first, then admissions (none if anyone was preempted)."""
         out = SchedulerOutput(scheduled=[], finished_req_ids=self._finished_since_schedule)
         self._finished_since_schedule = set()
+        if self.suspects:
+            self._schedule_isolated(out)
+            return out
         if self._schedule_alone(out):
             return out
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         return out
+
+    def _schedule_isolated(self, out: SchedulerOutput) -> None:
+        """The first suspect alone (`recover`): the other running requests skip the step, and the newest of them
+        are preempted while it lacks a seat or blocks."""
+        request = self._isolating = next(iter(self.suspects.values()))
+        while True:
+            if request.status == RequestStatus.RUNNING:  # a prompt it recomputes in chunks, or after its first step
+                num_new, drafts = self._num_new_tokens_running(request, self.max_num_batched_tokens)
+                block_ids = self.kv_cache.allocate_slots(request, num_new,
+                                                         num_lookahead_tokens=self.num_lookahead_tokens)
+                if block_ids is not None:
+                    request.spec_token_ids = drafts
+                    out.scheduled.append(ScheduledRequest(request, num_new, block_ids, list(drafts)))
+                    return
+            elif len(self.running) < self.max_num_seqs:
+                self.waiting.remove(request)
+                self.waiting.appendleft(request)  # `_admit` takes the first waiting request
+                hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_hit, self.max_num_batched_tokens)
+                if self._admit(request, hit_blocks, num_hit, num_new, out):
+                    return
+            victim = next(r for r in reversed(self.running) if r is not request)
+            self.running.remove(victim)
+            self._preempt(victim, out)
 
     def _schedule_alone(self, out: SchedulerOutput) -> bool:
         """Admit the first waiting request alone when every running request is decoding and its prompt has at
@@ -240,7 +278,11 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput | None) -> None:
+        """Back to the front of the queue, to recompute; `out` None: a rollback (`recover`), the runner is reset."""
+        if request.num_output_placeholders:  # rolled back with tokens in flight: they will never be outputs
+            del request.output_token_ids[-request.num_output_placeholders :]
+            request.num_output_placeholders = 0
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -248,7 +290,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted_req_ids.add(request.request_id)
+        if out is not None:
+            out.preempted_req_ids.add(request.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests FIFO (preempted ones sit at the front) while seats, budget and
@@ -290,6 +333,8 @@ class Scheduler:
         a verify step whose drafting left the next inputs on the device; the next step must then be its requests
         again, each verifying all its drafts: nobody else running, no admission, and room below max_model_len for
         the drafts and for what the next step emits (drafting reads the room before it is known)."""
+        if self.suspects:  # one step at a time while isolating: a failure is then the isolated request's
+            return False
         if verifying is not None:
             ids = {s.request.request_id for s in verifying.scheduled}
             if self.waiting and len(self.running) < self.max_num_seqs:
@@ -332,22 +377,56 @@ class Scheduler:
                 runner_output.sampled_token_ids[i] = []  # computed for nothing: not an output token
                 continue
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
-            if scheduler_output.assumed:
-                self._resolve(request, sched, runner_output.sampled_token_ids[i], logprobs)
-            else:
-                self._advance(request, sched, runner_output.sampled_token_ids[i], logprobs)
+            sampled = runner_output.sampled_token_ids[i]
+            try:
+                if scheduler_output.assumed:
+                    self._resolve(request, sched, sampled, logprobs)
+                else:
+                    self._advance(request, sched, sampled, logprobs)
+                if request.finish_reason is None:
+                    self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            except Exception as e:  # e.g. detokenizing for its stop strings: its own tokens, so it alone fails
+                request.finish_reason, request.error = "error", f"{type(e).__name__}: {e}"
+                logger.warning("request %r failed and finishes with error: %s", request.request_id, request.error,
+                               exc_info=e)
+            if request is self._isolating and (sampled or request.finish_reason is not None):
+                self.suspects.pop(request.request_id)  # it ran a whole step alone: cleared
             if request.finish_reason is not None:
                 finished.append(request)
                 continue
-            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             if not request.num_output_placeholders:  # no later step in flight: its next drafts are this step's
                 request.spec_token_ids = list((runner_output.draft_token_ids or {}).get(request.request_id, ()))
+        self._isolating = None  # its step completed (only one step runs at a time while isolating)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
             for request in finished:
                 self._finish(request, request.finish_reason)
         return finished
+
+    def recover(self, error: str) -> list[Request]:
+        """Roll back after a step failed anywhere from `schedule` to the runner's output (the engine made the
+        runner forget every request and every step in flight): every running request is preempted, to recompute
+        from its known tokens. If the failed step ran a suspect alone, that request is the culprit: it finishes
+        with "error" and the message `error`, and is returned. Otherwise the running requests (the first waiting
+        one if none runs: the scheduling of it may have failed) become suspects, each run alone until it emits a
+        token (`_schedule_isolated`): the culprit fails again alone, the others go on with the tokens they would
+        have had. Every round of isolation emits a token for each suspect, so even failures no request causes
+        alone end (at max_tokens at the latest)."""
+        culprit, self._isolating = self._isolating, None
+        suspects = list(self.running) or list(self.waiting)[:1]
+        for request in reversed(self.running):  # newest first: they queue again in admission order
+            self._preempt(request, None)
+        self.running = []
+        if culprit is None:
+            self.suspects.update((r.request_id, r) for r in suspects)
+            return []
+        if culprit.is_finished:  # aborted while its step ran
+            return []
+        self.waiting.remove(culprit)
+        culprit.error = error
+        self._finish(culprit, "error")
+        return [culprit]
 
     def _advance(
         self,
@@ -426,7 +505,7 @@ class Scheduler:
         if request.num_output_placeholders:  # aborted with tokens in flight: they will never be outputs
             del request.output_token_ids[-request.num_output_placeholders :]
             request.num_output_placeholders = 0
-        if request.status == RequestStatus.RUNNING:
+        if request.status == RequestStatus.RUNNING and reason != "error":  # a failed step's KV is not trusted
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
@@ -434,4 +513,5 @@ class Scheduler:
         request.finish_time = time.perf_counter()
         request.spec_token_ids = []
         self.requests.pop(request.request_id, None)
+        self.suspects.pop(request.request_id, None)
         self._finished_since_schedule.add(request.request_id)
