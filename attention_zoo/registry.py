@@ -22,6 +22,15 @@ _BACKEND_MODULES: dict[str, str] = {
 }
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
+AUTO = "auto"
+# What "auto" tries per layer kind on CUDA, fastest first (experiments/results: attention_ablation_h200). Off CUDA
+# it tries them in reverse: the torch references (the Triton ones run on CPU only under the interpreter, for tests).
+_AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "attention": ("triton", "flashinfer", "torch_ref"),
+    "mla": ("mla_triton", "mla_flashinfer", "mla_torch_ref"),
+    "mamba": ("mamba_triton", "mamba_torch_ref"),
+}
+
 
 def register_backend(name: str):
     def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -36,10 +45,21 @@ def available_backends() -> list[str]:
     return sorted(set(_BACKEND_MODULES) | set(_BACKENDS))
 
 
+def auto_backend(spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend "auto" picks for this layer: the first in `_AUTO_ORDER` that serves it, preferring one that
+    replays from CUDA graphs on CUDA (an eager step costs more than any kernel difference at small batch)."""
+    order = _AUTO_ORDER.get(spec.kind, ())
+    serving = [n for n in (order if device.type == "cuda" else order[::-1]) if _serves(n, spec, device, dtype) is None]
+    if not serving:
+        raise ValueError(f"no attention backend serves layer kind {spec.kind!r} on {device.type} in {dtype}")
+    graphs = [n for n in serving if device.type == "cuda" and get_backend(n).capabilities.cuda_graphs]
+    return (graphs or serving)[0]
+
+
 def get_backend(name: str) -> type[AttentionBackend]:
     if name not in _BACKENDS:
         if name not in _BACKEND_MODULES:
-            raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()}")
+            raise ValueError(f"unknown attention backend {name!r}; choose one of {[AUTO, *available_backends()]}")
         try:
             importlib.import_module(_BACKEND_MODULES[name])
         except ImportError as e:
@@ -58,8 +78,9 @@ def _serves(name: str, spec: AttentionSpec, device: torch.device, dtype: torch.d
 def select_backend(
     name: str, spec: AttentionSpec, device: torch.device, dtype: torch.dtype
 ) -> type[AttentionBackend]:
-    """The backend `name` if it serves this layer; otherwise a ValueError that says why and what would."""
-    backend = get_backend(name)
+    """The backend `name` ("auto": `auto_backend`'s pick) if it serves this layer; otherwise a ValueError that
+    says why and what would."""
+    backend = get_backend(auto_backend(spec, device, dtype) if name == AUTO else name)
     reason = backend.capabilities.missing(spec, device, dtype)
     if reason is not None:
         working = [n for n in available_backends() if _serves(n, spec, device, dtype) is None]

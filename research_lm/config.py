@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -10,6 +12,9 @@ import torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "float": torch.float32, "half": torch.float16}
+
+
+_BATCH_LIMITS = {"cuda": (256, 16384), "cpu": (64, 2048)}  # device -> (max_num_seqs, max_num_batched_tokens)
 
 
 @dataclass
@@ -20,16 +25,18 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when present, else cpu
     seed: int = 0
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: sized for the device (`batch_limits`)
+    max_num_batched_tokens: int | None = None  # None: sized for the device (`batch_limits`)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int | None = None  # overrides the memory-derived KV budget
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "torch_ref"  # for standard attention layers
-    mla_backend: str = "mla_torch_ref"  # for MLA layers (DeepSeek-V2/V3)
-    mamba_backend: str = "mamba_torch_ref"  # for Mamba2 mixer layers
+    # "auto": per layer, the fastest backend that serves the device, preferring CUDA-graph capture (triton on CUDA,
+    # the torch references on CPU; attention_zoo.registry.auto_backend); a name forces that backend.
+    attention_backend: str = "auto"  # for standard attention layers
+    mla_backend: str = "auto"  # for MLA layers (DeepSeek-V2/V3)
+    mamba_backend: str = "auto"  # for Mamba2 mixer layers
     trust_remote_code: bool = False
     speculative_config: dict[str, Any] | None = None
     eplb_config: dict[str, Any] | None = None  # MoE expert placement (conf/eplb); ignored by dense models
@@ -67,13 +74,18 @@ class EngineConfig:
                 "eplb": self.eplb_config}
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        if self.speculative_config:  # a bad value is refused before the target's weights load
+            from research_lm.spec import check_speculative_config
+
+            check_speculative_config(self.speculative_config)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -88,6 +100,13 @@ class EngineConfig:
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), got {self.num_gpu_blocks}")
 
+    def for_device(self, device: torch.device) -> EngineConfig:
+        """This config with the batch limits left None sized for `device`: vLLM's offline sizes on a GPU (what
+        bench_throughput tunes to; the batch-1 graphs are the same), small ones on CPU."""
+        seqs, tokens = _BATCH_LIMITS["cuda" if device.type == "cuda" else "cpu"]
+        return replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                       max_num_batched_tokens=self.max_num_batched_tokens or tokens)
+
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,3 +118,35 @@ class EngineConfig:
         if device.type == "cpu":
             return torch.float32
         return _DTYPES.get(str(checkpoint_dtype).removeprefix("torch."), torch.bfloat16)
+
+
+def _check_types(config: Any) -> None:
+    """Each field's value against its annotation (int, float, bool, str, list, dict, optionally None), so a bad
+    value fails here naming the field instead of deep inside a step. A bool is not an int; an int is a float."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if not _is_a(value, hints[f.name]):
+            raise ValueError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, h) for h in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or hint)
+
+
+def _describe(hint: Any) -> str:
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    return " or ".join(names.get(typing.get_origin(a) or a, f"a {(typing.get_origin(a) or a).__name__}")
+                       for a in args)

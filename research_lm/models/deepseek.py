@@ -76,7 +76,7 @@ from research_lm.moe.weights import load_moe_params
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-DEFAULT_MLA_BACKEND = "mla_torch_ref"
+DEFAULT_MLA_BACKEND = "auto"
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
 MLP_STACKED: StackedParams = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))

@@ -36,7 +36,7 @@ from research_lm.models.registry import register_model
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-DEFAULT_MAMBA_BACKEND = "mamba_torch_ref"
+DEFAULT_MAMBA_BACKEND = "auto"
 
 
 @dataclass(frozen=True)
