@@ -1,6 +1,8 @@
 """`python -m research_lm [group=option ...]`: the Hydra CLI over conf/.
 
-Our own errors print one line on stderr and exit 2; an unknown config choice lists the valid ones.
+Every bad command line (an unknown option, key or flag, a value of the wrong type or out of range, a path that
+cannot be read) and our own errors print one line on stderr and exit 2, before any model is built: an unknown
+config choice lists the valid ones; the rest is checked by composing the config first (research_lm/cli_checks.py).
 Under torchrun (`torchrun --nproc-per-node 2 -m research_lm ... eplb.expert_parallel=true`, see
 research_lm/distributed.py) every rank runs the same work and rank 0 alone writes the run folder, the
 logs and the printed table.
@@ -15,11 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from research_lm.cli_checks import USER_ERRORS, UsageError, check_command_line, check_config, one_line
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
-
-class UsageError(ValueError):
-    pass
 
 
 def config_choices() -> dict[str, list[str]]:
@@ -61,7 +61,8 @@ def _silence_rank() -> list[str]:
 
 def main() -> None:
     try:
-        check_choices(sys.argv[1:])
+        check_choices(sys.argv[1:])  # first: it lists the options, and needs no composing
+        check_command_line(sys.argv[1:], CONF_DIR)
     except UsageError as e:
         _fail(str(e))
 
@@ -80,9 +81,10 @@ def main() -> None:
         hc = HydraConfig.get()
         group = Path(hc.sweep.dir).name if hc.mode.name == "MULTIRUN" else None
         try:
+            check_config(cfg)  # again per job: a sweep's combinations were not all composed up front
             run(cfg, Path(hc.runtime.output_dir), sweep_group=group, overrides=list(hc.overrides.task))
-        except (ValueError, FileNotFoundError) as e:
-            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except USER_ERRORS as e:
+            _fail(one_line(e))
 
     app()
 
