@@ -17,12 +17,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
+from research_lm.assets import ASSETS, shipped_head
 from research_lm.config import EngineConfig
 from research_lm.distributed import is_main_process
 from research_lm.env_info import environment
 from research_lm.llm import LLM
 from research_lm.loggers import get_logger
 from research_lm.metrics import EngineMetrics
+from research_lm.models import CheckpointError, resolve_model_path
+from research_lm.report import describe_head
 from research_lm.workloads import WorkloadSpec, build_workload
 
 _TASKS: dict[str, Any] = {}
@@ -203,8 +206,8 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         num_gpu_blocks=r.num_gpu_blocks, enable_prefix_caching=r.enable_prefix_caching,
         enable_chunked_prefill=r.enable_chunked_prefill, attention_backend=cfg.attention.backend,
         trust_remote_code=m.trust_remote_code, speculative_config=spec,
-        mla_backend=cfg.attention.get("mla_backend", "mla_torch_ref"),
-        mamba_backend=cfg.attention.get("mamba_backend", "mamba_torch_ref"),
+        mla_backend=cfg.attention.get("mla_backend", "auto"),
+        mamba_backend=cfg.attention.get("mamba_backend", "auto"),
         eplb_config=OmegaConf.to_container(cfg.eplb, resolve=True) if "eplb" in cfg else None,
         cuda_graphs=r.get("cuda_graphs", True), cuda_graph_sizes=_list_or_none(r.get("cuda_graph_sizes")),
         prefill_graph_sizes=_list_or_none(r.get("prefill_graph_sizes")),
@@ -224,7 +227,7 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
     """Run the workload through the engine (arriving all at once, or at `workload.request_rate`); with a
     `baseline:` block, run the same workload again on the baseline config and report the ratios.
     Writes results.json, env.json and samples.jsonl (token ids included)."""
-    cfg = with_spec_head(cfg, run_dir)
+    cfg, head = with_spec_head(cfg, run_dir)
     main = run_workload(cfg, run_dir, logger=logger)
     summary = dict(main["summary"])
     baseline = None
@@ -232,8 +235,13 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
         print("baseline: " + json.dumps(OmegaConf.to_container(cfg.baseline, resolve=True)), flush=True)
         baseline = run_workload(baseline_config(cfg), run_dir / "baseline")
         summary.update(compare_to_baseline(main, baseline))
+    # strings derived from timings stay out of `summary`: reproduce compares its untimed keys exactly
+    k = int(cfg.spec.get("num_speculative_tokens") or 0)
+    notes = [n for n in (quick_head_note(head), speculation_note(summary, k, cfg.spec.get("method"))) if n]
     results = {
         "summary": summary,
+        "spec_head": head,
+        "notes": notes,
         "model": main["model"],
         "workload": main["workload"],
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -248,7 +256,7 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
     write_samples(run_dir / "samples.jsonl", main["outputs"])
     if baseline is not None:
         write_samples(run_dir / "baseline" / "samples.jsonl", baseline["outputs"])
-    print_table(summary, run_dir)
+    print_table(summary, run_dir, ([f"head: {describe_head(head)}"] if head else []) + [f"note: {n}" for n in notes])
     return results
 
 
@@ -257,20 +265,32 @@ SPEC_HEAD_PRESETS = {"eagle3": "train_eagle3", "eagle": "train_eagle", "medusa":
                      "draft_model": "train_draft"}
 
 
-def with_spec_head(cfg: DictConfig, run_dir: Path) -> DictConfig:
-    """With a `spec_head:` block and a model-based `spec.method` whose `spec.model` is null: point spec.model
-    at the head its training preset writes (train_<method>'s train.output_dir, relative to the working
-    directory) and, when that head does not exist yet, train it first with that preset shortened to
-    `spec_head.train_steps` steps (into <run_dir>/prepare). Later runs reuse the head. Otherwise cfg as is."""
+def with_spec_head(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict[str, Any] | None]:
+    """The head a model-based `spec.method` drafts with, and where it came from. `spec.model` set: that one.
+    Null, on a built-in target that ships a head for the method (research_lm.assets.SHIPPED_HEADS): the shipped
+    one. Null otherwise, with a `spec_head:` block: the head the method's training preset writes (train_<method>'s
+    train.output_dir, relative to the working directory), trained first with that preset shortened to
+    `spec_head.train_steps` steps (into <run_dir>/prepare) when it does not exist yet; later runs reuse it.
+    Returns cfg with spec.model set and the head's record for results.json (head_record); (cfg, None) for a
+    method without a head, or a null head nothing resolves (the engine's error then names it)."""
     method = cfg.spec.get("method")
-    if not cfg.get("spec_head") or method not in SPEC_HEAD_PRESETS or cfg.spec.get("model"):
-        return cfg
-    preset = OmegaConf.load(CONF_DIR / "experiment" / f"{SPEC_HEAD_PRESETS[method]}.yaml")
-    head = Path(str(preset.train.output_dir))
+    if method not in SPEC_HEAD_PRESETS:
+        return cfg, None
+    if cfg.spec.get("model"):
+        return cfg, head_record(method, cfg.spec.model, "given")
+    shipped = None if cfg.model.get("random") else shipped_head(cfg.model.name, method)
+    if shipped is None and not cfg.get("spec_head"):
+        return cfg, None
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    cfg.spec.model = str(head)
-    if (head / "config.json").is_file():
-        return cfg
+    if shipped:  # a trained head beats a quick one: no training, and the same head every run
+        cfg.spec.model = shipped
+        print(f"spec_head: {cfg.model.name} ships its {method} head: spec.model={shipped}", flush=True)
+        return cfg, head_record(method, shipped, "shipped")
+    preset = OmegaConf.load(CONF_DIR / "experiment" / f"{SPEC_HEAD_PRESETS[method]}.yaml")
+    head = cfg.spec.model = str(preset.train.output_dir)
+    recipe_steps = int(preset.train.steps)
+    if (Path(head) / "config.json").is_file():
+        return cfg, head_record(method, head, "reused", recipe_steps=recipe_steps)
     steps = int(cfg.spec_head.train_steps)
     print(f"spec_head: no {method} head at {head}: training one with experiment={preset.task} "
           f"train.steps={steps} (the full recipe: python -m research_lm experiment={preset.task}); "
@@ -286,7 +306,37 @@ def with_spec_head(cfg: DictConfig, run_dir: Path) -> DictConfig:
         importlib.import_module(_TASK_MODULES[preset.task])
     (run_dir / "prepare").mkdir(parents=True, exist_ok=True)
     _TASKS[preset.task](train, run_dir / "prepare", get_logger("none"))
-    return cfg
+    return cfg, head_record(method, head, "trained", steps=steps, recipe_steps=recipe_steps)
+
+
+def head_record(method: str, model: str, source: str, steps: int | None = None,
+                recipe_steps: int | None = None) -> dict[str, Any]:
+    """What drafted, for results.json and the report: `source` is shipped (a built-in head), given (spec.model),
+    trained (on the fly, by this run) or reused (the head an earlier run or training preset wrote);
+    `train_steps` is `steps`, else the head's recipe.json's (None without one); `recipe_steps` the training
+    preset's own step count, for a head it wrote (a head trained for fewer is a quick one)."""
+    try:
+        path = resolve_model_path(model)
+    except CheckpointError:  # a missing head fails later, in the engine, with its own message
+        path = None
+    if source == "given" and path is not None and path.resolve().parent == ASSETS:
+        source = "shipped"
+    if steps is None and path is not None and (path / "recipe.json").is_file():
+        steps = json.loads((path / "recipe.json").read_text()).get("steps")
+    return {"method": method, "model": str(model), "source": source, "train_steps": steps,
+            "recipe_steps": recipe_steps}
+
+
+def quick_head_note(head: dict[str, Any] | None) -> str | None:
+    """A note when the head was trained for fewer steps than its training preset runs: its acceptance (and so the
+    speedup) understates what the method does with a trained head."""
+    if not head or head.get("source") not in ("trained", "reused"):
+        return None
+    steps, full = head.get("train_steps"), head.get("recipe_steps")
+    if steps is None or full is None or steps >= full:
+        return None
+    return (f"the {head['method']} head ({head['model']}) is a quick one, {steps} training steps against the "
+            f"{full} of experiment={SPEC_HEAD_PRESETS[head['method']]}: its acceptance understates a trained head's")
 
 
 WARMUP_MAX_TOKENS = 16  # warm-up requests are cut to this many output tokens
@@ -329,7 +379,7 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
         # KV bytes one more token of context costs (all layers); 0 for a pure state-space model
         "kv_bytes_per_token": page_bytes / config.block_size,
         # fixed per-request state (Mamba conv + SSM), all layers
-        "state_bytes_per_request": state_bytes / config.max_num_seqs,
+        "state_bytes_per_request": state_bytes / engine.config.max_num_seqs,
         # peak KV memory the run touched: blocks in use at the busiest step
         "kv_bytes_used_max": round(summary.get("kv_cache_usage_max", 0.0) * engine.num_blocks) * page_bytes,
     }
@@ -482,14 +532,14 @@ def leviathan_tau(alpha: float, k: int) -> float:
 
 def decode_step_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
     """Step time of pure decode steps (every scheduled request computes one token plus the drafts it
-    verifies; no prefill): ms per step."""
-    times = [s["step_time_s"] * 1e3 for s in steps
-             if s["num_reqs"] and s["num_scheduled_tokens"] == s["num_reqs"] + s.get("num_draft_tokens", 0)]
-    if not times:
+    verifies; no prefill): ms per step, and their mean batch (requests per step)."""
+    decode = [s for s in steps
+              if s["num_reqs"] and s["num_scheduled_tokens"] == s["num_reqs"] + s.get("num_draft_tokens", 0)]
+    if not decode:
         return {}
-    arr = np.asarray(times)
+    arr = np.asarray([s["step_time_s"] * 1e3 for s in decode])
     return {"decode_step_ms_median": float(np.median(arr)), "decode_step_ms_p90": float(np.percentile(arr, 90)),
-            "num_decode_steps": len(times)}
+            "num_decode_steps": len(decode), "decode_batch_mean": float(np.mean([s["num_reqs"] for s in decode]))}
 
 
 # Group names of conf/: a string value for one of them in a `baseline:` block names that group's option.
@@ -536,6 +586,77 @@ def compare_to_baseline(main: dict[str, Any], base: dict[str, Any]) -> dict[str,
     return out
 
 
+SPEEDUP_NOTE_BELOW = 1.1  # a speculative run slower than this x its baseline gets a note saying why
+# a rule of thumb: from this batch on the note takes a verify step's k + 1 tokens per request to cost more than 1
+# token's; below it a step is mostly fixed costs (launches, host work), whatever its tokens
+COMPUTE_BOUND_BATCH = 8
+# why a head step is dear next to a small target: both steps are mostly fixed per-layer costs, not arithmetic
+_LAUNCH_BOUND = "at this size a head step, like a target step, is mostly launches and host work, not arithmetic"
+
+
+def speculation_note(summary: dict[str, Any], k: int, method: str | None) -> str | None:
+    """Why speculation did not pay off in this run, from what the run measured (its summary after
+    compare_to_baseline; k = spec.num_speculative_tokens; method = spec.method). None without a speedup and a tau
+    to explain, or when the speedup reaches SPEEDUP_NOTE_BELOW. A speculative decode step emits tau tokens per
+    request where a plain one emits one, so it pays only where tau exceeds its cost in plain steps (the decode step
+    ratio). The note states both, then the first reason that applies: decoding pays (time per output token) but
+    prefills take the gain; the decode steps pay at their median but not over the run; few drafts are accepted;
+    else where the step's extra time goes: from the draft and verify phase times where they were timed on most
+    decode steps (asynchronous steps run ahead untimed), else from the batch and the method (below
+    COMPUTE_BOUND_BATCH a verify forward costs about one plain step, so a model drafter's steps are the rest; a
+    drafter without a model, ngram, adds only the speculative step's own host work)."""
+    speedup, tau = summary.get("speedup"), summary.get("mean_acceptance_length")
+    if speedup is None or tau is None or speedup >= SPEEDUP_NOTE_BELOW:
+        return None
+    text = f"speedup {speedup:.2f} (< {SPEEDUP_NOTE_BELOW}) at tau {tau:.2f} of at most {k + 1}"
+    spec_ms, base_ms = summary.get("decode_step_ms_median"), summary.get("baseline_decode_step_ms_median")
+    if not spec_ms or not base_ms:
+        return text + "; the run measured no pure decode steps to say why."
+    cost, batch, extra = spec_ms / base_ms, summary.get("decode_batch_mean") or 0.0, spec_ms - base_ms
+    text += (f": at batch {batch:.3g} a speculative decode step takes {spec_ms:.3g} ms = {cost:.2f} plain steps of "
+             f"{base_ms:.3g} ms, so it pays only where tau > {cost:.2f}. ")
+    tpot, ttft = summary.get("tpot_ratio"), summary.get("ttft_ratio")
+    model = method in SPEC_HEAD_PRESETS  # a model drafts (a head, a draft model); else drafts are looked up (ngram)
+    if tpot and tpot * SPEEDUP_NOTE_BELOW <= 1:
+        if ttft and ttft >= SPEEDUP_NOTE_BELOW:
+            return text + (f"Decoding pays ({1 / tpot:.2f}x faster per output token) and the prefills take the gain: "
+                           f"time to first token is {ttft:.2f}x the baseline's"
+                           + (" (the drafter reads every prompt too)." if model else "."))
+        return text + (f"Decoding pays ({1 / tpot:.2f}x faster per output token"
+                       + (f", time to first token {ttft:.2f}x the baseline's" if ttft else "")
+                       + "), so what takes the gain lies outside both: e.g. the slowest request's tail, or kernels "
+                       "compiled in the measured window (warmup_requests=0).")
+    if tau >= cost:
+        return text + (f"Its decode steps pay at their median ({tau / cost:.2f}x) but not over the run"
+                       + (f" ({1 / tpot:.2f}x per output token)" if tpot else "")
+                       + ": slower steps than the median, or steps without drafts, take the gain.")
+    if (tau - 1) / max(k, 1) < 0.35:
+        return text + f"Acceptance is the limit: {tau - 1:.2f} of {k} drafts accepted per step."
+    draft, verify = summary.get("draft_ms_per_step_median"), summary.get("verify_ms_per_step_median")
+    timed, steps = summary.get("num_verify_steps") or 0, summary.get("num_decode_steps") or 0
+    if draft is not None and verify is not None and timed >= 0.5 * steps:  # the phases tell where the time goes
+        if draft >= verify - base_ms:
+            per = draft / max(k, 1) / base_ms
+            return text + (f"Drafting is the cost: {k} drafts take {draft:.3g} ms = {draft / base_ms:.2f} plain "
+                           f"steps, {per:.2f} per draft" + (f"; {_LAUNCH_BOUND}." if model else "."))
+        why = ("the target computes k + 1 tokens per request instead of 1, and at this batch its step grows with "
+               "them" if batch >= COMPUTE_BOUND_BATCH else "at this batch k + 1 tokens cost a target forward about "
+               "what 1 does, so the rest is verification's host work")
+        return text + (f"Verifying is the cost: {verify:.3g} ms = {verify / base_ms:.2f} plain steps (drafting "
+                       f"{draft:.3g} ms); {why}.")
+    untimed = f" (draft and verify were timed apart on {timed} of {steps} decode steps only)"
+    if batch >= COMPUTE_BOUND_BATCH:
+        return text + (f"The extra {extra:.3g} ms pays for {k} drafts and a verify forward over {k + 1} tokens per "
+                       f"request, dearer than a 1-token step at this batch{untimed}.")
+    if not model:
+        return text + (f"Its drafts need no model, so the extra {extra:.3g} ms = {extra / base_ms:.2f} plain steps "
+                       f"is the speculative step's own work (verifying, bookkeeping) beside a target step this "
+                       f"short{untimed}.")
+    per = extra / max(k, 1) / base_ms  # > (tau - 1) / k >= 0.35 here: drafting is most of the extra
+    return text + (f"At this batch a verify forward costs about one plain step, so the extra {extra:.3g} ms is "
+                   f"drafting: {per:.2f} plain steps per draft token; {_LAUNCH_BOUND}{untimed}.")
+
+
 def write_samples(path: Path, outputs: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
@@ -545,12 +666,15 @@ def write_samples(path: Path, outputs: list) -> None:
                                 "finish_reason": out.outputs[0].finish_reason, "error": out.error}) + "\n")
 
 
-def print_table(summary: dict[str, Any], run_dir: Path) -> None:
+def print_table(summary: dict[str, Any], run_dir: Path, lines: list[str] | None = None) -> None:
+    """The summary as a markdown table, then `lines` (what drafted, notes on the result), then where it went."""
     rows = [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in summary.items()]
     width = max(len(k) for k, _ in rows)
     print(f"\n| {'metric'.ljust(width)} | value |\n|{'-' * (width + 2)}|-------|", file=sys.stdout)
     for k, v in rows:
         print(f"| {k.ljust(width)} | {v} |")
+    if lines:
+        print("\n" + "\n".join(lines))
     print(f"\nresults: {run_dir / 'results.json'}")
 
 

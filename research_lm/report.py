@@ -52,6 +52,22 @@ _IGNORED_OVERRIDES = {"hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", 
 REPEAT_KEY = "repeat"  # `+repeat=0,1,2`: jobs that differ only in it are repeats of one measurement
 
 
+def describe_head(head: dict[str, Any] | None) -> str:
+    """One line on the head that drafted (results.json's `spec_head`, research_lm.experiment.head_record): which
+    one, where it came from and its training steps; "" for a run without one."""
+    if not head:
+        return ""
+    model, steps = head.get("model"), head.get("train_steps")
+    trained = f"{steps} training steps" if steps is not None else "training steps unknown"
+    if head.get("source") == "trained":
+        return f"trained on the fly, {steps} steps ({model})"
+    if head.get("source") == "reused":
+        return f"{model} (reused, {trained})"
+    if head.get("source") == "shipped":
+        return f"{model} (shipped, {trained})"
+    return f"{model} (given, {trained})"
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
@@ -172,7 +188,14 @@ class Cell(Job):
                 "overrides": self.overrides, "summary": self.summary, "spread": self.spread, "repeats": self.raw,
                 "baseline": None if not base else {"summary": base["summary"], "spread": self.baseline_spread,
                                                    "repeats": base.get("repeats")},
-                "rows": self.results.get("rows"), "curves": self.results.get("curves")}
+                "rows": self.results.get("rows"), "curves": self.results.get("curves"),
+                "spec_head": self.results.get("spec_head"), "notes": _notes(self)}
+
+
+def _notes(job: Job) -> list[str]:
+    """The notes of a job's run, or of each repeat of a cell that has any (once each)."""
+    runs = job.jobs if isinstance(job, Cell) else [job]
+    return list(dict.fromkeys(n for j in runs for n in j.results.get("notes") or []))
 
 
 def _median_curves(runs: list[dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, list[float]]]:
@@ -301,17 +324,24 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
     plain = [c for c in cells if c.task != "eplb_replay"]
     if plain:
         cols = metric_columns(plain)
+        # which head drafted, and how long it was trained: a quick head's acceptance is no trained head's
+        heads = ["head"] if any(c.results.get("spec_head") for c in plain) else []
         rows = []
         for c in plain:
-            rows.append([c.name, *[c.value(k) for k in keys], *[fmt_spread(c.summary.get(c_), c.spread.get(c_))
-                                                                for c_ in cols]])
+            rows.append([c.name, *[c.value(k) for k in keys], *[describe_head(c.results.get("spec_head")) or "—"
+                                                                for _ in heads],
+                         *[fmt_spread(c.summary.get(c_), c.spread.get(c_)) for c_ in cols]])
             base = c.results.get("baseline")
             if base:  # the same workload on the baseline config, measured in the same process
                 what = ", ".join(f"{k}={fmt(v)}" for k, v in (base.get("overrides") or {}).items())
-                rows.append([f"{c.name} baseline ({what})", *["" for _ in keys],
+                rows.append([f"{c.name} baseline ({what})", *["" for _ in keys], *["" for _ in heads],
                              *[fmt_spread(base["summary"].get(m), c.baseline_spread.get(m)) for m in cols]])
-        lines += _table(["job" if not repeated else "jobs", *[f"`{k}`" for k in keys], *cols], rows)
+        lines += _table(["job" if not repeated else "jobs", *[f"`{k}`" for k in keys], *heads, *cols], rows)
         lines.append("")
+        notes = [(c, n) for c in plain for n in _notes(c)]
+        if notes:  # what the run found questionable in its own numbers (experiment.speculation_note, ...)
+            lines += ["Notes:", ""] + [f"- {c.name}{f' ({c.label})' if c.label != c.name else ''}: {n}"
+                                       for c, n in notes] + [""]
     for cell in (c for c in cells if c.task == "eplb_replay"):
         lines.append(f"## EPLB replay: {cell.label}" if len(cells) > 1 else "## EPLB replay")
         lines.append("")
@@ -344,7 +374,8 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
                      "step's host work, and what remains of it counts in verify), draft_fraction = draft / "
                      "(draft + verify) time over them; speedup and *_ratio = this "
                      "run / its baseline in the same process; outputs_match_baseline = fraction of requests with "
-                     "identical tokens.")
+                     "identical tokens; head = the drafting head, where it came from (shipped with research_lm, "
+                     "given, trained on the fly by the run, or reused from an earlier one) and its training steps.")
     out = root / "report.md"
     out.write_text("\n".join(lines) + "\n")
     data = {"root": str(root), "env": env, "swept": all_keys, "repeat_key": repeat_key if repeated else None,
@@ -352,7 +383,8 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
             "cells": [c.record() if isinstance(c, Cell) else
                       {"jobs": [str(c.path)], "num_repeats": 1, "overrides": c.overrides, "summary": c.summary,
                        "baseline": c.results.get("baseline"), "rows": c.results.get("rows"),
-                       "curves": c.results.get("curves")} for c in cells]}
+                       "curves": c.results.get("curves"), "spec_head": c.results.get("spec_head"),
+                       "notes": _notes(c)} for c in cells]}
     (root / "report.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     return out
 

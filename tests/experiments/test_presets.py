@@ -15,9 +15,10 @@ from .conftest import CONF_DIR, PRESETS, run_cli
 REQUIRED = {"quickstart", "eagle3", "eagle", "medusa", "ngram", "draft_model", "spec_ablation", "attention_ablation",
             "mla", "sliding_window", "mamba", "eplb_ablation", "train_target", "train_eagle3", "train_medusa",
             "train_draft", "bench_decode", "bench_throughput"}
-# Run to the end below (tiny workloads); the train_* presets have their own tests in tests/train/.
+# Run to the end below (tiny workloads); the train_* presets have their own tests in tests/train/. medusa trains its
+# head on the fly (2 steps): no medusa head ships.
 QUICK = ["ngram", "sliding_window", "mla", "mamba", "bench_decode", "bench_throughput", "attention_ablation",
-         "eplb_ablation", "eagle3"]
+         "eplb_ablation", "eagle3", "medusa"]
 
 
 def test_every_required_preset_exists():
@@ -91,6 +92,18 @@ def test_spec_presets_report_acceptance_and_identical_outputs(preset_runs):
     assert not (preset_runs["eagle3"]["_dir"] / "prepare").exists()  # the built-in head needs no training
 
 
+def test_spec_presets_name_the_head_that_drafted(preset_runs):
+    assert preset_runs["eagle3"]["spec_head"] == {"method": "eagle3", "model": "tiny-llama-eagle3", "source": "shipped",
+                                                  "train_steps": 600, "recipe_steps": None}
+    assert preset_runs["eagle3"]["config"]["spec"]["model"] == "tiny-llama-eagle3"  # the recorded config re-runs it
+    medusa = preset_runs["medusa"]
+    assert medusa["spec_head"] == {"method": "medusa", "model": "outputs/train/medusa", "source": "trained",
+                                   "train_steps": 2, "recipe_steps": 150}
+    assert (medusa["_dir"] / "prepare" / "results.json").is_file()  # the training run's own record
+    assert any("quick one, 2 training steps against the 150" in note for note in medusa["notes"])
+    assert preset_runs["ngram"]["spec_head"] is None
+
+
 def test_eplb_ablation_replays_every_policy_with_a_plot(preset_runs):
     res = preset_runs["eplb_ablation"]
     policies = {r["policy"] for r in res["rows"]}
@@ -109,4 +122,8 @@ def test_report_over_the_presets(preset_runs):
     text = build_report(preset_runs["_sweep"]).read_text()
     assert "| job | `experiment` |" in text and "## EPLB replay" in text
     assert "draft_ms_per_step_median | verify_ms_per_step_median | draft_fraction" in text
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ") and " | " in line}
+    assert "| tiny-llama-eagle3 (shipped, 600 training steps) |" in rows["eagle3"]
+    assert "| trained on the fly, 2 steps (outputs/train/medusa) |" in rows["medusa"]
+    assert "quick one, 2 training steps" in text.split("Notes:")[1]
     assert (preset_runs["_sweep"] / f"report_eplb_{QUICK.index('eplb_ablation')}.png").is_file()

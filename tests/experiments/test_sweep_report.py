@@ -42,7 +42,9 @@ def test_2x2_multirun_with_wandb_groups_and_a_report(tmp_path):
     report = run_module("research_lm.report", str(sweep), cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     text = (sweep / "report.md").read_text()
-    assert "| job | `workload.max_tokens` | `runner.max_num_seqs` | output_throughput_tok_s" in text
+    # quickstart drafts with the EAGLE-3 head shipped for tiny-llama: the head column says so on every job's row
+    assert "| job | `workload.max_tokens` | `runner.max_num_seqs` | head | output_throughput_tok_s" in text
+    assert text.count("| tiny-llama-eagle3 (shipped, 600 training steps) |") == 4
     job_rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len([row for row in job_rows if "baseline" not in row]) == 4  # quickstart adds a baseline row each
     pngs = sorted(sweep.glob("report_*.png"))
