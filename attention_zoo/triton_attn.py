@@ -58,6 +58,7 @@ def choose_num_splits(
 class LaunchPlan:
     tile: TileConfig
     num_splits: int
+    min_split_tokens: int = MIN_TOKENS_PER_SPLIT  # 0 where a test forces the split count
 
 
 @dataclass
@@ -76,11 +77,13 @@ class TritonAttentionMetadata:
             group = spec.num_heads // spec.num_kv_heads
             tile = self.force_tile or default_tile_config(c.max_query_len, group, spec.head_size, _INTERPRET)
             splits = self.force_num_splits
-            if splits is None:
+            if splits is not None:
+                self._plans[key] = LaunchPlan(tile, splits, min_split_tokens=0)
+            else:
                 splits = choose_num_splits(
                     c.num_reqs, spec.num_kv_heads, c.max_seq_len, c.is_pure_decode, self.sm_count
                 )
-            self._plans[key] = LaunchPlan(tile, splits)
+                self._plans[key] = LaunchPlan(tile, splits)
         return self._plans[key]
 
 
@@ -102,6 +105,7 @@ class TritonAttentionImpl(AttentionImpl):
             sliding_window=self.spec.sliding_window,
             config=plan.tile,
             num_splits=plan.num_splits,
+            min_split_tokens=plan.min_split_tokens,
             upcast=_INTERPRET,
         )
 

@@ -16,8 +16,9 @@ with `ctx = seq_len - query_len` cached tokens sits at position ctx + j). Softma
 fp32 in base 2 (scale * log2(e) folded into the scores).
 
 With NUM_SPLITS > 1 (flash-decoding) the program's key range is cut into NUM_SPLITS contiguous
-pieces, one per program along grid axis 2; each writes its unnormalised accumulator and its running
-max / sum to a workspace, and `_reduce_splits_kernel` merges them:
+pieces of at least `min_split_tokens` keys (the pieces past the range stay empty), one per program
+along grid axis 2; each writes its unnormalised accumulator and its running max / sum to a
+workspace, and `_reduce_splits_kernel` merges them:
     m = max_s m_s,  out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
 """
 
@@ -143,6 +144,7 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr,  # power of 2 >= max(BLOCK_Q * GROUP, 16)
     TILE_N: tl.constexpr,  # keys per inner iteration
     NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,  # >= 1: the fewest key tiles a split takes
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in fp32 (fp32 inputs, or the interpreter, which garbles bf16 math)
     DOT_PRECISION: tl.constexpr,
@@ -185,7 +187,9 @@ def _unified_attention_kernel(
     t_begin = kv_lo // TILE_N
     t_end = tl.cdiv(kv_hi, TILE_N)
     if NUM_SPLITS > 1:
-        per_split = tl.cdiv(t_end - t_begin, NUM_SPLITS)
+        # at least MIN_SPLIT_TILES a split: a plan fixed for the longest context (a CUDA graph's) leaves the splits
+        # a short context does not need empty (they exit at once and weigh 0) instead of cutting it into slivers
+        per_split = tl.maximum(tl.cdiv(t_end - t_begin, NUM_SPLITS), MIN_SPLIT_TILES)
         t_begin = t_begin + split * per_split
         t_end = tl.minimum(t_end, t_begin + per_split)
 
@@ -300,6 +304,7 @@ def unified_attention(
     sliding_window: int | None,
     config: TileConfig,
     num_splits: int = 1,
+    min_split_tokens: int = 0,  # keys a split takes at least (rounded down to tiles): the rest of the splits idle
     upcast: bool = False,
 ) -> torch.Tensor:
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
@@ -337,6 +342,7 @@ def unified_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_Q=config.block_q, BLOCK_M=block_m, TILE_N=config.tile_n, NUM_SPLITS=num_splits,
+        MIN_SPLIT_TILES=max(1, min_split_tokens // config.tile_n),
         USE_WINDOW=sliding_window is not None, UPCAST=upcast or q.dtype == torch.float32,
         DOT_PRECISION="ieee" if (upcast or q.dtype == torch.float32) else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,

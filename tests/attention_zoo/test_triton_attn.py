@@ -172,6 +172,26 @@ def test_split_kv_decode(num_splits):
     assert_matches_ref(case, force_num_splits=num_splits)
 
 
+@pytest.mark.parametrize("min_split_tokens", [2 * BS, 10 * BS])
+def test_split_kv_with_a_minimum_split_size(min_split_tokens):
+    """A plan of many splits (a graph's, fixed for the longest context) on short contexts: each split takes at
+    least min_split_tokens keys, the splits past the context stay empty, and the result is the reference's."""
+    from attention_zoo.triton_kernels.unified_attention import unified_attention
+
+    case = make_case([1] * 4, [1, BS, 3 * BS + 1, 7 * BS - 3], num_heads=8, num_kv_heads=2, head_size=64,
+                     block_size=BS, dtype=torch.float32, pad_tokens=1)  # fmt: skip
+    ref_out, _ = run_backend("torch_ref", case)
+    kv = case.kv_cache.clone()
+    reshape_and_cache(case.k, case.v, kv, case.common.slot_mapping)
+    c = case.common
+    out = unified_attention(case.q, kv, torch.empty_like(case.q), c.query_start_loc, c.seq_lens, c.block_table,
+                            num_reqs=c.num_reqs, scale=case.spec.scale, sliding_window=None,
+                            config=TileConfig(block_q=1, tile_n=BS), num_splits=8, min_split_tokens=min_split_tokens,
+                            upcast=True)  # fmt: skip
+    n = case.num_real_tokens
+    torch.testing.assert_close(out[:n], ref_out[:n], atol=2e-4, rtol=2e-4)
+
+
 def test_split_kv_with_window_and_mixed_batch():
     case = make_case([1, 6, 1], [4 * BS, 3 * BS, 17], num_heads=8, num_kv_heads=1, head_size=64,
                      block_size=BS, dtype=torch.float16, sliding_window=BS + 3)  # fmt: skip
