@@ -173,11 +173,6 @@ def _unified_attention_kernel(
     tok = (q_start + q_local).to(tl.int64)
     d = tl.arange(0, HEAD_PAD)
     d_valid = d < HEAD_SIZE
-    q_mask = row_valid[:, None] & d_valid[None, :]
-    q_off = tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # zero pad lanes: they meet zero-padded K lanes
-    if UPCAST:
-        q = q.to(tl.float32)
 
     # Keys any row of this tile may attend to: [kv_lo, kv_hi). Tiles wholly outside are never visited.
     kv_hi = tl.minimum(seq_len, ctx_len + q_first + BLOCK_Q)
@@ -192,6 +187,17 @@ def _unified_attention_kernel(
         per_split = tl.maximum(tl.cdiv(t_end - t_begin, NUM_SPLITS), MIN_SPLIT_TILES)
         t_begin = t_begin + split * per_split
         t_end = tl.minimum(t_end, t_begin + per_split)
+        if t_begin >= t_end:  # an empty split: weight 0 in the reduction, which then skips its accumulator
+            part = (tok * NUM_HEADS + head) * NUM_SPLITS + split
+            tl.store(part_m_ptr + part, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=row_valid)
+            tl.store(part_l_ptr + part, tl.zeros([BLOCK_M], dtype=tl.float32), mask=row_valid)
+            return
+
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q_off = tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # zero pad lanes: they meet zero-padded K lanes
+    if UPCAST:
+        q = q.to(tl.float32)
 
     # Tiles every valid row sees whole (below the diagonal, inside the window) skip the mask:
     # [t_begin, f_lo) masked, [f_lo, f_hi) unmasked, [f_hi, t_end) masked.
@@ -263,7 +269,8 @@ def _reduce_splits_kernel(
     m_max = tl.max(m, 0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
     d = tl.arange(0, HEAD_PAD)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=s_valid[:, None], other=0.0)
+    live = s_valid & (m > float("-inf"))  # an empty split wrote no accumulator
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=live[:, None], other=0.0)
     denom = tl.sum(l_s * w, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     o_off = tok.to(tl.int64) * stride_o_tok + head * stride_o_head + d
