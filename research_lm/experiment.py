@@ -243,6 +243,7 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
         "spec_head": head,
         "notes": notes,
         "model": main["model"],
+        "engine": main["engine"],
         "workload": main["workload"],
         "config": OmegaConf.to_container(cfg, resolve=True),
         "eplb": main["eplb"],
@@ -400,6 +401,9 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
                   "num_params": sum(p.numel() for p in engine.model.parameters()), "weight_bytes": weight_bytes,
                   "kv_page_bytes": page_bytes, "block_size": config.block_size,
                   "random": _random_recipe(model_dir)},
+        # what "auto" and the device-sized defaults resolved to
+        "engine": {"attention_backends": engine.backends, "max_num_seqs": engine.config.max_num_seqs,
+                   "max_num_batched_tokens": engine.config.max_num_batched_tokens},
         "workload": {"kind": w["kind"], "num_requests": len(workload.prompts), "hash": workload.source_hash,
                      "fingerprint": workload.fingerprint(), "seed": w.get("seed"),
                      "request_rate": w.get("request_rate")},

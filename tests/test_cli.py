@@ -29,6 +29,9 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert results["summary"]["output_tokens"] > 0
     assert results["env"]["packages"]["torch"]
     assert "commit" in results["env"]["git"]
+    # what attention=auto and the device-sized batch limits resolved to (CPU: the torch reference, 64 / 2048)
+    assert results["engine"] == {"attention_backends": {"attention": "torch_ref"}, "max_num_seqs": 64,
+                                 "max_num_batched_tokens": 2048}
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert "output_throughput_tok_s" in proc.stdout  # the table is printed last
     assert list((run_dir / "wandb").glob("offline-run-*")), "an offline W&B run should be written"
