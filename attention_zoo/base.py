@@ -1,7 +1,7 @@
 """The attention backend interface: a cache spec, capabilities as data, a metadata builder and an impl.
 
 A backend is one file: subclass `AttentionBackend`, decorate it with `@register_backend("name")`,
-and list its module in `registry._BACKEND_MODULES` so it is imported only when chosen.
+and list its module in `registry.BACKENDS` so it is imported only when chosen.
 """
 
 from __future__ import annotations

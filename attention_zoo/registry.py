@@ -1,16 +1,16 @@
-"""Backend registry: names map to lazily imported modules, which register their class on import."""
+"""The attention backends' registry (names -> lazily imported modules, which register their class on import), and
+"auto": the backend each layer gets when none is named."""
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 
 from attention_zoo.base import AttentionBackend, AttentionSpec
+from attention_zoo.registries import Registry
 
 # name -> module that defines it. Importing the module runs its @register_backend decorator, so a
 # heavy optional dependency (FlashInfer) is imported only when its backend is chosen.
-_BACKEND_MODULES: dict[str, str] = {
+BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", {
     "torch_ref": "attention_zoo.torch_ref",
     "triton": "attention_zoo.triton_attn",
     "flashinfer": "attention_zoo.flashinfer_attn",
@@ -19,8 +19,7 @@ _BACKEND_MODULES: dict[str, str] = {
     "mla_torch_ref": "attention_zoo.mla",
     "mla_triton": "attention_zoo.mla_triton",
     "mla_flashinfer": "attention_zoo.flashinfer_mla",
-}
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
+})
 
 AUTO = "auto"
 # What "auto" tries per layer kind on CUDA, fastest first (experiments/results: attention_ablation_h200). Off CUDA
@@ -35,14 +34,13 @@ _AUTO_ORDER: dict[str, tuple[str, ...]] = {
 def register_backend(name: str):
     def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
         cls.name = name
-        _BACKENDS[name] = cls
-        return cls
+        return BACKENDS.register(name)(cls)
 
     return wrap
 
 
 def available_backends() -> list[str]:
-    return sorted(set(_BACKEND_MODULES) | set(_BACKENDS))
+    return BACKENDS.names()
 
 
 def auto_backend(spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str:
@@ -57,14 +55,9 @@ def auto_backend(spec: AttentionSpec, device: torch.device, dtype: torch.dtype) 
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    if name not in _BACKENDS:
-        if name not in _BACKEND_MODULES:
-            raise ValueError(f"unknown attention backend {name!r}; choose one of {[AUTO, *available_backends()]}")
-        try:
-            importlib.import_module(_BACKEND_MODULES[name])
-        except ImportError as e:
-            raise ValueError(f"attention backend {name!r} is not installed: {e}") from e
-    return _BACKENDS[name]
+    if name not in BACKENDS:  # "auto" is valid where a layer is built (select_backend)
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {[AUTO, *available_backends()]}")
+    return BACKENDS.get(name)
 
 
 def _serves(name: str, spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str | None:

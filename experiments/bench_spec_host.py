@@ -35,7 +35,7 @@ launched" launch that kernel every step instead of replaying it from a small gra
   (`EagleProposer.propose_before_verification` declines), so the host verifies, then stages the drafting, as
   every step did before the "verified" draft graph;
 - `--temperature` above 0: "eagle3 torch rejection" runs with `research_lm.ops.FUSED_DEVICE_TYPES` emptied, so
-  the rejection sampler takes its torch path instead of its kernel (spec_decode/rejection_kernel.py). The
+  the rejection sampler takes its torch path instead of its kernel (research_lm/ops/rejection_kernel.py). The
   graphs keep the kernels they captured; what else runs eagerly at T = 1 is the plain sampler's race at prompt
   steps, which then takes its torch path too.
 

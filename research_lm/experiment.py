@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,10 +17,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
+from attention_zoo.registries import Registry
 from research_lm.assets import ASSETS, shipped_head
 from research_lm.config import EngineConfig
 from research_lm.distributed import is_main_process
 from research_lm.env_info import environment
+from research_lm.eplb import available_policies
 from research_lm.llm import LLM
 from research_lm.loggers import get_logger
 from research_lm.metrics import EngineMetrics
@@ -28,18 +30,11 @@ from research_lm.models import CheckpointError, resolve_model_path
 from research_lm.report import describe_head
 from research_lm.workloads import WorkloadSpec, build_workload
 
-_TASKS: dict[str, Any] = {}
-# Tasks registered by other modules, imported when first asked for (their import registers them).
-_TASK_MODULES = {name: "research_lm.train.tasks"
-                 for name in ("train_target", "train_eagle3", "train_eagle", "train_medusa", "train_draft")}
-
-
-def register_task(name: str):
-    def wrap(fn):
-        _TASKS[name] = fn
-        return fn
-
-    return wrap
+# Tasks registered here, and by modules imported when first asked for (their import registers them).
+TASKS: Registry[Callable[..., dict[str, Any]]] = Registry("task", {
+    name: "research_lm.train.tasks"
+    for name in ("train_target", "train_eagle3", "train_eagle", "train_medusa", "train_draft")})
+register_task = TASKS.register
 
 
 def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None,
@@ -47,10 +42,7 @@ def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None,
     """Run `cfg.task` into `run_dir`. `overrides`: the command line's (Hydra's overrides.task), which the
     preset's `gpu:` block leaves alone (apply_gpu_sizes)."""
     cfg = apply_gpu_sizes(cfg, overrides or [])
-    if cfg.task not in _TASKS and cfg.task in _TASK_MODULES:
-        importlib.import_module(_TASK_MODULES[cfg.task])
-    if cfg.task not in _TASKS:
-        raise ValueError(f"unknown task {cfg.task!r}; choose one of {sorted(set(_TASKS) | set(_TASK_MODULES))}")
+    task = TASKS.get(cfg.task)
     seed_everything(cfg.seed, deterministic=bool(cfg.deterministic))
     run_dir.mkdir(parents=True, exist_ok=True)
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
@@ -60,7 +52,7 @@ def run(cfg: DictConfig, run_dir: Path, sweep_group: str | None = None,
     group = cfg.sweep_name or sweep_group
     logger.start(run_dir, flat, name=run_dir.name, group=group)
     try:
-        results = _TASKS[cfg.task](cfg, run_dir, logger)
+        results = task(cfg, run_dir, logger)
         logger.summary(results["summary"])
     finally:
         logger.finish()
@@ -303,10 +295,8 @@ def with_spec_head(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict[str
     train.train.save_every = 0
     train.train.progress = False
     train.train.target = str(prepare_model(cfg, run_dir) or cfg.model.name)
-    if preset.task not in _TASKS:
-        importlib.import_module(_TASK_MODULES[preset.task])
     (run_dir / "prepare").mkdir(parents=True, exist_ok=True)
-    _TASKS[preset.task](train, run_dir / "prepare", get_logger("none"))
+    TASKS.get(preset.task)(train, run_dir / "prepare", get_logger("none"))
     return cfg, head_record(method, head, "trained", steps=steps, recipe_steps=recipe_steps)
 
 
@@ -726,7 +716,7 @@ def eplb_replay(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
         num_groups = int(r.get("num_groups") or meta.get("num_groups") or 1)
         num_replicas = num_experts + int(r["num_redundant_experts"])
         curves[trace_name] = {}
-        for name in r["policies"]:
+        for name in r.get("policies") or [*available_policies(), "static"]:  # null: every registered policy
             policy, max_rebalances = ("deepseek", 1) if name == "static" else (name, None)
             res = replay(load, policy, num_replicas, num_groups, int(r["num_nodes"]), int(r["num_ep_ranks"]),
                          step_interval=int(r["step_interval"]), window_size=int(r["window_size"]),

@@ -7,21 +7,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-_LOGGERS: dict[str, type[RunLogger]] = {}
+from attention_zoo.registries import Registry
 
-
-def register_logger(name: str):
-    def wrap(cls):
-        _LOGGERS[name] = cls
-        return cls
-
-    return wrap
+LOGGERS: Registry[type[RunLogger]] = Registry("logger")
+register_logger = LOGGERS.register
 
 
 def get_logger(name: str, **kwargs: Any) -> RunLogger:
-    if name not in _LOGGERS:
-        raise ValueError(f"unknown logger {name!r}; choose one of {sorted(_LOGGERS)}")
-    return _LOGGERS[name](**kwargs)
+    return LOGGERS.get(name)(**kwargs)
 
 
 class RunLogger:

@@ -2,8 +2,8 @@
 
 A *row* is "sample the token at output position p of this request". A request usually has one
 row per step; when drafts are verified it has k+1 consecutive rows (positions p .. p+k), the later
-rows seeing the drafts as extra output history (penalties, min_tokens). The rejection sampler
-(spec_decode) builds its `SamplingBatch` from those rows and reuses `process_logits` /
+rows seeing the drafts as extra output history (penalties, min_tokens). Verification (`research_lm.verification`,
+`research_lm.rejection_sampler`) builds its `SamplingBatch` from those rows and reuses `process_logits` /
 `compute_probs` / `random_sample` / `gather_logprobs`, so verified and plain decoding process the
 logits identically.
 

@@ -1,4 +1,7 @@
-"""The runner's view of speculative decoding: a proposer protocol and a registry spec_decode fills.
+"""The runner's view of speculative decoding: a proposer protocol and the registry of proposers.
+
+A plugin package fills `PROPOSERS` (`@register_proposer("name")` on a factory); it is found through the
+"research_lm.proposers" entry-point group, so this package never names it.
 
 The runner knows nothing about ngram tables or EAGLE heads; it hands each step's outcome to the
 proposer and verifies what comes back next step.
@@ -6,8 +9,7 @@ proposer and verifies what comes back next step.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,8 +17,10 @@ from typing import Any, Protocol
 import torch
 
 from attention_zoo import CommonAttentionMetadata
+from attention_zoo.registries import Registry
 from research_lm.buffers import DeviceTokens
 from research_lm.checks import checked
+from research_lm.rejection_sampler import rejection_sample
 from research_lm.request import PLACEHOLDER, Request
 
 
@@ -112,14 +116,12 @@ class Proposer(Protocol):
         """Finished or preempted: drop any per-request drafter state."""
 
 
-# method name -> "module:factory". A factory takes (speculative_config: dict, target: Any) and returns a Proposer.
-_PROPOSER_MODULES: dict[str, str] = {
-    "ngram": "spec_decode.ngram:build_proposer",
-    "draft_model": "spec_decode.draft_model:build_proposer",
-    "eagle": "spec_decode.eagle:build_eagle_proposer",
-    "eagle3": "spec_decode.eagle:build_eagle3_proposer",
-    "medusa": "spec_decode.medusa:build_proposer",
-}
+# method name -> factory: (speculative_config: dict, target: Any) -> Proposer. Plugins add their methods through the
+# "research_lm.proposers" entry-point group (each entry a module that registers names, or maps them to the modules
+# that do with `PROPOSERS.add_module`); an unknown method's error lists them all.
+PROPOSERS: Registry[Callable[[dict[str, Any], Any], Proposer]] = Registry(
+    "speculative method", plugins="research_lm.proposers")
+register_proposer = PROPOSERS.register
 
 
 def speculative_method(speculative_config: dict[str, Any]) -> str | None:
@@ -132,8 +134,7 @@ def speculative_method(speculative_config: dict[str, Any]) -> str | None:
         return method
     if str(model) in ("ngram", "[ngram]"):
         return "ngram"
-    from research_lm.models.loader import resolve_model_path
-    from spec_decode.heads import read_json_config
+    from research_lm.models.loader import read_json_config, resolve_model_path
 
     try:
         config = read_json_config(resolve_model_path(str(model)))
@@ -171,8 +172,8 @@ def check_speculative_config(speculative_config: Mapping[str, Any]) -> dict[str,
               for k, v in speculative_config.items()}
     method = speculative_method(config)
     config["method"] = method
-    if method not in _PROPOSER_MODULES:
-        raise ValueError(f"unknown speculative method {method!r}; choose one of {sorted(_PROPOSER_MODULES)}")
+    if method not in PROPOSERS:
+        raise ValueError(f"unknown speculative method {method!r}; choose one of {PROPOSERS.names()}")
     valid = _COMMON_KEYS | _METHOD_KEYS.get(method, set())
     unknown = sorted(set(config) - valid)
     if unknown:  # a misspelt knob must not fall back to its default unnoticed
@@ -185,17 +186,11 @@ def check_speculative_config(speculative_config: Mapping[str, Any]) -> dict[str,
 
 def build_proposer(speculative_config: Mapping[str, Any], target: Any) -> Proposer:
     speculative_config = check_speculative_config(speculative_config)
-    method = speculative_config["method"]
-    module_name, factory = _PROPOSER_MODULES[method].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise ValueError(f"speculative method {method!r} is not available in this build: {e}") from e
-    return getattr(module, factory)(speculative_config, target)
+    # a method whose module fails to import (a missing optional dependency) raises "... is not installed: <why>"
+    return PROPOSERS.get(speculative_config["method"])(speculative_config, target)
 
 
 def load_rejection_sampler():
-    """spec_decode's `rejection_sample`, imported only when some request carries drafts."""
-    from spec_decode.rejection_sampler import rejection_sample
-
+    """The rejection sampler (`research_lm.rejection_sampler.rejection_sample`), which verification calls for a
+    step that is not all-greedy."""
     return rejection_sample

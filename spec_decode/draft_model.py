@@ -28,7 +28,7 @@ from research_lm.cuda_graphs import Capture, uncapturable_reason
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
 from research_lm.request import Request
-from research_lm.spec import Proposal, StepOutcome
+from research_lm.spec import Proposal, StepOutcome, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
 
@@ -155,6 +155,7 @@ class DraftModelProposer:
             self._fed.pop(req_id, None)
 
 
+@register_proposer("draft_model")
 def build_proposer(speculative_config: dict[str, Any], engine: Any) -> DraftModelProposer:
     path = head_dir(speculative_config, "draft_model")
     k = speculative_config.get("num_speculative_tokens")

@@ -54,9 +54,10 @@ from research_lm.models.layers import (
     rope_parameters,
 )
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
+from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
 from research_lm.sampler import plain_greedy
-from research_lm.spec import Proposal, StepOutcome
+from research_lm.spec import Proposal, StepOutcome, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
     cache_layers_of,
@@ -67,7 +68,6 @@ from spec_decode.heads import (
     head_dir,
     llama_like_config,
     read_head_tensors,
-    read_json_config,
     start_drafting,
     token_span,
     tokens_left,
@@ -461,6 +461,7 @@ def _check_common(what: str, cfg: SimpleNamespace, tensors: dict[str, torch.Tens
         )
 
 
+@register_proposer("eagle")
 def build_eagle_proposer(speculative_config: dict[str, Any], engine: Any) -> EagleProposer:
     path = head_dir(speculative_config, "eagle")
     what = f"EAGLE head {path}"
@@ -531,6 +532,7 @@ def _draft_vocab_map(
     return mapped
 
 
+@register_proposer("eagle3")
 def build_eagle3_proposer(speculative_config: dict[str, Any], engine: Any) -> EagleProposer:
     path = head_dir(speculative_config, "eagle3")
     what = f"EAGLE-3 head {path}"

@@ -13,7 +13,6 @@ slots (`num_lookahead_tokens` past the verified tokens).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,19 +52,6 @@ def head_dir(speculative_config: dict[str, Any], method: str) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"{method} checkpoint {path} is not a directory")
     return path
-
-
-def read_json_config(path: Path) -> dict[str, Any]:
-    f = path / "config.json"
-    try:
-        cfg = json.loads(f.read_text())
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path} has no config.json") from e
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {f}: {e}") from e
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{f} does not hold a JSON object")
-    return cfg
 
 
 def read_tensors(files: Sequence[Path]) -> dict[str, torch.Tensor]:

@@ -24,15 +24,14 @@ from torch import nn
 
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, load_params
 from research_lm.models.layers import Linear
-from research_lm.models.loader import checkpoint_files
+from research_lm.models.loader import checkpoint_files, read_json_config
 from research_lm.request import PLACEHOLDER
-from research_lm.spec import PendingDrafts, Proposal, StepOutcome
+from research_lm.spec import PendingDrafts, Proposal, StepOutcome, register_proposer
 from spec_decode.heads import (
     check_names,
     check_shape,
     expected_checkpoint_names,
     head_dir,
-    read_json_config,
     read_tensors,
     start_drafting,
 )
@@ -214,6 +213,7 @@ def load_medusa_heads(path: Path, *, hidden_size: int, vocab_size: int, build: M
     return heads.eval()
 
 
+@register_proposer("medusa")
 def build_proposer(speculative_config: dict[str, Any], engine: Any) -> MedusaProposer:
     path = head_dir(speculative_config, "medusa")
     k = speculative_config.get("num_speculative_tokens")

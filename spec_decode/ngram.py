@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from research_lm.request import Request
-from research_lm.spec import Proposal, StepOutcome
+from research_lm.spec import Proposal, StepOutcome, register_proposer
 
 
 class NgramProposer:
@@ -129,6 +129,7 @@ class NgramStepProposer:
         self._tokens.drop(req_ids)
 
 
+@register_proposer("ngram")
 def build_proposer(speculative_config: dict[str, Any], target: Any) -> NgramStepProposer:
     """vLLM's keys and defaults: one of the lookup bounds defaults to the other, both to 5."""
     lo, hi = speculative_config.get("prompt_lookup_min"), speculative_config.get("prompt_lookup_max")

@@ -17,46 +17,33 @@ register here with `@register_policy("name")`.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from attention_zoo.registries import Registry
+
 PolicyOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Policy = Callable[[torch.Tensor, int, int, int, int], PolicyOutput]
 
 # name -> module that defines it; importing the module runs its @register_policy decorator.
-_POLICY_MODULES: dict[str, str] = {
+POLICIES: Registry[Policy] = Registry("EPLB policy", {
     "none": "research_lm.eplb.identity",
     "deepseek": "research_lm.eplb.deepseek",
     "deepseek_swap": "research_lm.eplb.swap",
     "lpt": "research_lm.eplb.lpt",
     "snake": "research_lm.eplb.snake",
-}
-_POLICIES: dict[str, Policy] = {}
-
-
-def register_policy(name: str) -> Callable[[Policy], Policy]:
-    def wrap(fn: Policy) -> Policy:
-        if name in _POLICIES and _POLICIES[name] is not fn:
-            raise ValueError(f"EPLB policy {name!r} is already registered")
-        _POLICIES[name] = fn
-        return fn
-
-    return wrap
+})
+register_policy = POLICIES.register
 
 
 def available_policies() -> list[str]:
-    return sorted(set(_POLICY_MODULES) | set(_POLICIES))
+    return POLICIES.names()
 
 
 def get_policy(name: str) -> Policy:
-    if name not in _POLICIES:
-        if name not in _POLICY_MODULES:
-            raise ValueError(f"unknown EPLB policy {name!r}; choose one of {available_policies()}")
-        importlib.import_module(_POLICY_MODULES[name])
-    return _POLICIES[name]
+    return POLICIES.get(name)
 
 
 def check_policy_args(

@@ -1,7 +1,7 @@
 """Model definitions keyed by Hugging Face architecture name, and the checkpoint loader.
 
 `load_model(path, device=..., dtype=..., attention_backend=...)` is the usual entry point; a new
-family is one file here plus one line in `registry._MODEL_MODULES`. transformers is imported only
+family is one file here plus one line in `registry.MODELS`. transformers is imported only
 when a config or tokenizer is read.
 """
 

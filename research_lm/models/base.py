@@ -1,7 +1,7 @@
 """What every model shares: the build context, the interface the runner relies on, weight loading.
 
 A model family is one file in this package: a class `Model(hf_config, build)` decorated with
-`@register_model("XForCausalLM", ...)` and listed in `registry._MODEL_MODULES`. Its parameters are
+`@register_model("XForCausalLM", ...)` and listed in `registry.MODELS`. Its parameters are
 named like the Hugging Face checkpoint's tensors (after stacking, see `load_params`), and each one
 carries a `weight_loader(param, tensor, shard_id=None)`: the one place a tensor-parallel slicer
 will go.

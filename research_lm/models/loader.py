@@ -48,6 +48,20 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     )
 
 
+def read_json_config(path: Path) -> dict[str, Any]:
+    """The directory's config.json as plain JSON (a speculative head's, which transformers may not know)."""
+    f = path / "config.json"
+    try:
+        cfg = json.loads(f.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} has no config.json") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {f}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f} does not hold a JSON object")
+    return cfg
+
+
 def load_config(path: str | Path, trust_remote_code: bool = False) -> PretrainedConfig:
     """The directory's config.json as a transformers config."""
     path = _checked_dir(path)

@@ -20,7 +20,7 @@ The switch: modules that can fuse (`RMSNorm`, `RotaryEmbedding`, `GatedMLP` in m
 registers instead of ~20 int64 kernels over [N, V] (~2 ms per step at 256 x 128k on an H200). Its reference is
 `sampler.random_sample`'s torch path, whose tokens it reproduces bit for bit; `random_sample` (hence the
 drafters) takes it for tensors on `FUSED_DEVICE_TYPES`, outside torch.compile. The rejection sampler has a
-kernel of its own that reuses this noise (spec_decode/rejection_kernel.py), under the same switch.
+kernel of its own that reuses this noise (research_lm/ops/rejection_kernel.py), under the same switch.
 """
 
 from __future__ import annotations

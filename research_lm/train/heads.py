@@ -5,7 +5,7 @@
 
 Methods are the proposer names (`eagle3`, `eagle`, `medusa`, `draft_model`); `head` holds the
 method's own knobs (see each objective's constructor). The corpus is tokenized with the target's
-tokenizer; the written directory is what the matching `spec_decode` loader reads.
+tokenizer; the written directory is what the matching proposer's loader reads.
 """
 
 from __future__ import annotations

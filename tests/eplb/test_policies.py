@@ -238,4 +238,4 @@ def test_register_a_custom_policy():
         with pytest.raises(ValueError, match="already registered"):
             registry.register_policy("test_reverse")(lambda *a: None)
     finally:
-        registry._POLICIES.pop("test_reverse")
+        registry.POLICIES.entries.pop("test_reverse")

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from research_lm.experiment import _TASK_MODULES, _TASKS
+from research_lm.experiment import TASKS
 
 from .conftest import CONF_DIR, PRESETS, run_cli
 
@@ -33,7 +33,7 @@ def test_preset_composes_and_states_its_question(name):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"experiment={name}"])
     resolved = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
-    assert resolved["task"] in _TASKS or resolved["task"] in _TASK_MODULES
+    assert resolved["task"] in TASKS
 
 
 def test_cfg_job_prints_the_composed_preset(tmp_path):

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from research_lm import experiment
 from research_lm.assets import ASSETS, SHIPPED_HEADS, shipped_head
-from research_lm.experiment import _TASKS, quick_head_note, speculation_note, with_spec_head
+from research_lm.experiment import TASKS, quick_head_note, speculation_note, with_spec_head
 from research_lm.report import build_report, describe_head
 
 from .conftest import CONF_DIR
@@ -42,7 +42,7 @@ def test_the_shipped_heads_are_built_in_checkpoints(tmp_path, monkeypatch):
                                        ("experiment=quickstart",)])
 def test_builtin_target_drafts_with_its_shipped_head_without_training(overrides, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(_TASKS, "train_eagle3", _no_training)
+    monkeypatch.setitem(TASKS.entries, "train_eagle3", _no_training)
     cfg = _compose(*overrides)
     assert cfg.spec.method == "eagle3" and cfg.spec.model is None
     resolved, head = with_spec_head(cfg, tmp_path / "run")
@@ -55,7 +55,7 @@ def test_builtin_target_drafts_with_its_shipped_head_without_training(overrides,
 
 
 def test_a_given_head_is_used_as_given(tmp_path, monkeypatch):
-    monkeypatch.setitem(_TASKS, "train_eagle3", _no_training)
+    monkeypatch.setitem(TASKS.entries, "train_eagle3", _no_training)
     cfg = _compose("experiment=eagle3", f"spec.model={ASSETS / 'tiny-llama-eagle3'}")
     _, head = with_spec_head(cfg, tmp_path)
     assert head["source"] == "shipped" and head["train_steps"] == 600  # a path into the built-ins is still shipped
@@ -84,7 +84,7 @@ def _fake_training(calls: list):
 def test_a_method_without_a_shipped_head_trains_one_then_reuses_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     calls: list = []
-    monkeypatch.setitem(_TASKS, "train_medusa", _fake_training(calls))
+    monkeypatch.setitem(TASKS.entries, "train_medusa", _fake_training(calls))
     cfg = _compose("experiment=spec_ablation", "spec=medusa", "spec_head.train_steps=3")
     resolved, head = with_spec_head(cfg, tmp_path / "run")
     assert len(calls) == 1 and calls[0].train.steps == 3 and calls[0].train.target == "tiny-llama"
@@ -103,7 +103,7 @@ def test_a_method_without_a_shipped_head_trains_one_then_reuses_it(tmp_path, mon
 def test_a_random_target_gets_no_shipped_head(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     calls: list = []
-    monkeypatch.setitem(_TASKS, "train_eagle3", _fake_training(calls))
+    monkeypatch.setitem(TASKS.entries, "train_eagle3", _fake_training(calls))
     monkeypatch.setattr(experiment, "prepare_model", lambda cfg, run_dir: tmp_path / "model")
     _, head = with_spec_head(_compose("experiment=eagle3", "model=random-llama"), tmp_path / "run")
     assert head["source"] == "trained" and calls[0].train.target == str(tmp_path / "model")

@@ -14,7 +14,7 @@ exponential_race = import_module("research_lm.ops.exponential_race")
 graph_step_inputs = import_module("research_lm.ops.graph_step_inputs")
 rotary = import_module("research_lm.ops.rotary")
 eagle3_kernels = import_module("spec_decode.eagle3_kernels")
-rejection_kernel = import_module("spec_decode.rejection_kernel")
+rejection_kernel = import_module("research_lm.ops.rejection_kernel")
 
 UNSPECIALIZED = [  # (kernel, ints that change per step, pointers that may start at any offset)
     (kv_write._reshape_and_cache_kernel, ["num_tokens"], ["slot_mapping_ptr"]),

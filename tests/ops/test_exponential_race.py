@@ -1,7 +1,7 @@
 """The fused exponential race gives `random_sample`'s torch-path tokens exactly: its noise is `rng`'s bit for bit,
 its argmax follows torch's rule (first index on ties, NaN first) within a loop, across lanes and across splits of
 a row, and the wired `random_sample` (hence the drafters) takes it where the device type is enabled. The rejection
-sampler's own kernel, which reuses its noise, is tested in tests/spec_decode/test_rejection_kernel.py.
+sampler's own kernel, which reuses its noise, is tested in tests/ops/test_rejection_kernel.py.
 
 Runs under the Triton interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA); shapes are
 tiny and `block` / `chunk` are shrunk so that a few columns already span several iterations and splits.

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from research_lm import rng
+from research_lm.rejection_sampler import PLACEHOLDER_TOKEN_ID, parse_output, rejection_sample
 from research_lm.request import Request
 from research_lm.sampler import Sampler, SamplingBatch, compute_probs, random_sample
 from research_lm.sampling_params import SamplingParams
-from spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, parse_output, rejection_sample
 from tests.test_sampler import CountOps
 
 CPU = torch.device("cpu")

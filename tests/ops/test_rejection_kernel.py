@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import research_lm.ops
-import spec_decode.rejection_kernel as kernel_mod
-from spec_decode.rejection_sampler import rejection_sample
+import research_lm.ops.rejection_kernel as kernel_mod
+from research_lm.rejection_sampler import rejection_sample
 
 V = 37
 

@@ -22,7 +22,7 @@ exactly the token it would sample without speculation.
 Output follows vLLM: `[num_reqs, k_max + 1]` int64, emitted tokens left-aligned, `-1` elsewhere.
 
 On CUDA (`research_lm.ops.FUSED_DEVICE_TYPES`, outside torch.compile) one Triton kernel does all the device
-work (spec_decode/rejection_kernel.py), with this module's torch code as its reference: the same tokens.
+work (research_lm/ops/rejection_kernel.py), with this module's torch code as its reference: the same tokens.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def rejection_sample(
     # u < p(x)/q(x) has probability min(1, p(x)/q(x)): one uniform per slot, ACCEPT stream at position + j.
     u = rng.host_uniform(rng.host_keys(seeds_col, pos + slot, rng.ACCEPT))  # [num_reqs, k_max]
     if device.type in research_lm.ops.FUSED_DEVICE_TYPES and not torch.compiler.is_compiling():
-        from spec_decode.rejection_kernel import fused_rejection_sample, pack_host
+        from research_lm.ops.rejection_kernel import fused_rejection_sample, pack_host
 
         packed = pack_host(drafts, u, final_keys, num_drafts, cu_draft, cu_target, greedy_host)
         return fused_rejection_sample(target_probs.float().contiguous(),
