@@ -23,7 +23,7 @@ from research_lm.rng import mix_seed
 from research_lm.runner import ModelRunner, PendingStep
 from research_lm.sampling_params import SamplingParams
 from research_lm.scheduler import Scheduler
-from research_lm.spec import build_proposer
+from research_lm.spec import DraftTarget, build_proposer
 from research_lm.stop_strings import StopStrings
 
 _SEED_STREAM = 7  # derives per-request seeds from the engine seed
@@ -66,9 +66,14 @@ class LLMEngine:
         )
         proposer = None
         if config.speculative_config:
-            proposer = build_proposer(dict(config.speculative_config), self)
-        drafters = [v for v in vars(proposer).values() if isinstance(v, torch.nn.Module)] if proposer else []
-        for module in (self.model, *drafters):  # runner.fused_ops reaches the drafter's layers too
+            target = DraftTarget(
+                device=device, dtype=dtype, vocab_size=self.info.vocab_size, hidden_size=self.hf_config.hidden_size,
+                num_hidden_layers=self.hf_config.num_hidden_layers, max_model_len=max_len,
+                attention_backend=config.attention_backend, model_extra={**config.model_extra(), "eplb": None},
+                trust_remote_code=config.trust_remote_code, embed_tokens=self.model.get_input_embeddings(),
+                compute_logits=self.model.compute_logits)
+            proposer = build_proposer(dict(config.speculative_config), target)
+        for module in (self.model, *(proposer.drafters() if proposer else [])):  # fused_ops reach the drafter too
             set_fused_ops(module, config.fused_ops)
         self.runner = ModelRunner(
             self.model, device=device, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -97,13 +102,13 @@ class LLMEngine:
         self.eplb = build_eplb_controller(self.model, config.eplb_config)
         self.kv_cache = KVCacheManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching and not has_state,
-            recompute_last_hit_block=getattr(proposer, "needs_last_hit_block_recomputed", False),
+            recompute_last_hit_block=proposer is not None and proposer.needs_last_hit_block_recomputed,
         )
         self.scheduler = Scheduler(
             self.kv_cache, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            num_lookahead_tokens=getattr(proposer, "num_lookahead_tokens", 0),
+            num_lookahead_tokens=proposer.num_lookahead_tokens if proposer is not None else 0,
             sliding_window=self._shared_sliding_window(),
             stop_strings=StopStrings(self.tokenizer) if self.tokenizer is not None else None,
             separate_prefill_tokens=self._separate_prefill_tokens(config.separate_prefills),
@@ -155,7 +160,7 @@ class LLMEngine:
             gpu_memory_utilization=c.gpu_memory_utilization, num_gpu_blocks=c.num_gpu_blocks,
             max_num_seqs=c.max_num_seqs, max_model_len=info.max_model_len, block_size=c.block_size,
             activation_bytes=activation, state_bytes=self.runner.state_bytes(info.dtype),
-            num_lookahead_tokens=getattr(self.runner.proposer, "num_lookahead_tokens", 0),
+            num_lookahead_tokens=self.runner.proposer.num_lookahead_tokens if self.runner.proposer else 0,
         )
 
     def _dummy_forward(self) -> None:

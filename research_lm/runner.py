@@ -115,13 +115,14 @@ class ModelRunner:
         self.proposer = proposer
         # The target's cache layers, then the drafter's (draft model / EAGLE KV shares the block table).
         self.cache_layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
-        self.cache_layers += list(getattr(proposer, "cache_layers", []))
+        self.cache_layers += list(proposer.cache_layers if proposer is not None else [])
         self.backends = list({layer.backend.name: layer.backend for layer in self.cache_layers}.values())
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cuda_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
         # A drafter's lookahead slots may reach past max_model_len.
-        max_blocks_per_req = -(-(max_model_len + getattr(proposer, "num_lookahead_tokens", 0)) // block_size)
+        lookahead = proposer.num_lookahead_tokens if proposer is not None else 0
+        max_blocks_per_req = -(-(max_model_len + lookahead) // block_size)
         self.buffers = StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_req, device)
         self.rows = RequestRows(max_num_seqs)
         self.sampler = Sampler()
@@ -197,14 +198,12 @@ class ModelRunner:
             compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
             prefill_sizes=prefill_sizes, capture=capture,
         )
-        capture_drafts = getattr(self.proposer, "capture_cuda_graphs", None)
-        if capture_drafts is not None:  # the drafter's prompt graphs: the lengths the target's serve
-            capture_drafts(sizes=sizes, prefill_sizes=self.cuda_graphs.prefill, capture=capture,
-                           block_size=self.block_size,
-                           max_blocks_per_req=self.buffers.block_table.gpu.shape[1],
-                           verified_inputs=None if self.cuda_graphs.greedy_ids is None
-                           else (self.cuda_graphs.greedy_ids, self.buffers.input_ids.gpu,
-                                 self.buffers.positions.gpu))
+        if self.proposer is not None:  # the drafter's prompt graphs: the lengths the target's serve
+            self.proposer.capture_cuda_graphs(
+                sizes=sizes, prefill_sizes=self.cuda_graphs.prefill, capture=capture, block_size=self.block_size,
+                max_blocks_per_req=self.buffers.block_table.gpu.shape[1],
+                verified_inputs=None if self.cuda_graphs.greedy_ids is None
+                else (self.cuda_graphs.greedy_ids, self.buffers.input_ids.gpu, self.buffers.positions.gpu))
 
     # ---- one step -------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -307,10 +306,9 @@ class ModelRunner:
         (`propose_before_verification`) launches that drafting and returns without waiting for anything: the
         verify's argmax and input ids are on their way to the host, where `collect` verifies, and the drafting
         left each request's next inputs on the device (`ahead_inputs`). None where the step does not qualify."""
-        early = getattr(self.proposer, "propose_before_verification", None)
-        if not self.defer_verification or early is None or outcome.greedy_ids is None:
+        if not self.defer_verification or outcome.greedy_ids is None:
             return None
-        launch = early(outcome)
+        launch = self.proposer.propose_before_verification(outcome)
         if not launch:
             return None
         if self._pending is not None:  # this step's drafts: `collect` reads their values from its input ids
@@ -357,8 +355,8 @@ class ModelRunner:
         """Where the proposer can draft behind the verify forward (`propose_before_verification`), the verify's
         argmax [num_sample_rows] on the host, its copy queued before the drafting: the host waits for it alone
         while the drafter runs. Else the argmax as it came (on the device, or None)."""
-        greedy_ids, early = outcome.greedy_ids, getattr(self.proposer, "propose_before_verification", None)
-        launch = early(outcome) if early is not None and greedy_ids is not None else None
+        greedy_ids = outcome.greedy_ids
+        launch = self.proposer.propose_before_verification(outcome) if greedy_ids is not None else None
         if not launch:
             return greedy_ids
         host, copied = self._host_ids.start_copy(greedy_ids)

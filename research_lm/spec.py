@@ -4,17 +4,19 @@ A plugin package fills `PROPOSERS` (`@register_proposer("name")` on a factory); 
 "research_lm.proposers" entry-point group, so this package never names it.
 
 The runner knows nothing about ngram tables or EAGLE heads; it hands each step's outcome to the
-proposer and verifies what comes back next step.
+proposer (`Proposer`, built by its factory from a `DraftTarget`) and verifies what comes back next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+from torch import nn
 
 from attention_zoo import CommonAttentionMetadata
 from attention_zoo.registries import Registry
@@ -93,33 +95,74 @@ class Proposal:
         return self.resolve()[req_id][: len(drafts)]
 
 
-class Proposer(Protocol):
-    """Optional attributes the runner/engine read with getattr: `cache_layers` (the drafter's
-    `CacheLayer`s, allocated with the target's and sharing its block tables) and
-    `num_lookahead_tokens` (KV slots the drafter writes past the verified tokens) and
-    `needs_last_hit_block_recomputed` (its cached rows depend on the token after them: EAGLE) and
-    `propose_before_verification(outcome) -> launch or None`: the runner calls it on a verify step right after the
-    target's forward, before the host knows the emitted tokens (`outcome.emitted` still empty); a proposer that can
-    draft there (on the device, from `outcome.greedy_ids`) returns the launch of that drafting, which the runner
-    calls once the argmax's copy to the host is queued, and `propose` then only hands out the drafts; with it,
-    `ahead_inputs(outcome) -> DeviceTokens`: each request's next verify inputs (its last emitted token, then its
-    drafts) with their start corrections (`DeviceTokens.start_shift`), which async scheduling feeds to the next step
-    before this one is verified."""
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a proposer's factory may know of the target it drafts for (no engine: these fields are the API)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    max_model_len: int
+    attention_backend: str  # for the drafter's own attention layers ("auto": chosen per layer, as the target's)
+    model_extra: dict[str, Any]  # what the target's layers were built with besides (MLA / Mamba backends, knobs)
+    trust_remote_code: bool  # for a draft model's checkpoint, as for the target's
+    embed_tokens: nn.Module  # the target's input embedding, [vocab, hidden]
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]  # the target's LM head: [n, hidden] -> [n, vocab] fp32
+
+
+class Proposer(ABC):
+    """A speculative proposer: each step the runner hands it the step's outcome and verifies its drafts the next step.
+
+    Attributes a proposer sets (the defaults here are a proposer without them):
+    - `num_speculative_tokens`: drafts per request and step, k;
+    - `aux_hidden_state_layers`: target layers whose input residual streams it reads (EAGLE-3); () for none;
+    - `num_lookahead_tokens`: KV slots its drafter writes past the verified tokens;
+    - `needs_last_hit_block_recomputed`: its cached rows depend on the token after them (EAGLE);
+    - `cache_layers`: its drafter's `CacheLayer`s, allocated with the target's and sharing its block tables.
+    """
 
     num_speculative_tokens: int
-    # Target layers whose input residual streams the proposer consumes (EAGLE-3); () for none.
-    aux_hidden_state_layers: tuple[int, ...]
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    num_lookahead_tokens: int = 0
+    needs_last_hit_block_recomputed: bool = False
+    cache_layers: Sequence[nn.Module] = ()
 
-    def propose(self, outcome: StepOutcome) -> Proposal: ...
+    @abstractmethod
+    def propose(self, outcome: StepOutcome) -> Proposal:
+        """Each scheduled request's drafts for its next step, from this step's outcome (its emitted tokens set)."""
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         """Finished or preempted: drop any per-request drafter state."""
+        return None
+
+    def drafters(self) -> list[nn.Module]:
+        """The modules it runs (runner.fused_ops reaches their layers too)."""
+        return [v for v in vars(self).values() if isinstance(v, nn.Module)]
+
+    def capture_cuda_graphs(self, **capture: Any) -> None:
+        """Capture the drafter's graphs beside the target's (`ModelRunner.capture_cuda_graphs` passes the sizes)."""
+        return None
+
+    def propose_before_verification(self, outcome: StepOutcome) -> Callable[[], None] | None:
+        """On a verify step, right after the target's forward and before the host knows the emitted tokens
+        (`outcome.emitted` still empty): the launch of drafting on the device from `outcome.greedy_ids`, which the
+        runner calls once the argmax's copy to the host is queued (`propose` then only hands the drafts out); None
+        where the proposer cannot draft there."""
+        return None
+
+    def ahead_inputs(self, outcome: StepOutcome) -> DeviceTokens:
+        """After `propose_before_verification` launched: each request's next verify inputs on the device (its last
+        emitted token, then its drafts) with their start corrections (`DeviceTokens.start_shift`), which async
+        scheduling feeds to the next step before this one is verified."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no verify inputs ahead")
 
 
-# method name -> factory: (speculative_config: dict, target: Any) -> Proposer. Plugins add their methods through the
-# "research_lm.proposers" entry-point group (each entry a module that registers names, or maps them to the modules
-# that do with `PROPOSERS.add_module`); an unknown method's error lists them all.
-PROPOSERS: Registry[Callable[[dict[str, Any], Any], Proposer]] = Registry(
+# method name -> factory: (speculative_config: dict, target: DraftTarget) -> Proposer. Plugins add their methods
+# through the "research_lm.proposers" entry-point group (each entry a module that registers names, or maps them to
+# the modules that do with `PROPOSERS.add_module`); an unknown method's error lists them all.
+PROPOSERS: Registry[Callable[[dict[str, Any], DraftTarget], Proposer]] = Registry(
     "speculative method", plugins="research_lm.proposers")
 register_proposer = PROPOSERS.register
 
@@ -184,7 +227,7 @@ def check_speculative_config(speculative_config: Mapping[str, Any]) -> dict[str,
     return config
 
 
-def build_proposer(speculative_config: Mapping[str, Any], target: Any) -> Proposer:
+def build_proposer(speculative_config: Mapping[str, Any], target: DraftTarget) -> Proposer:
     speculative_config = check_speculative_config(speculative_config)
     # a method whose module fails to import (a missing optional dependency) raises "... is not installed: <why>"
     return PROPOSERS.get(speculative_config["method"])(speculative_config, target)

@@ -28,14 +28,14 @@ from research_lm.cuda_graphs import Capture, uncapturable_reason
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
 from research_lm.request import Request
-from research_lm.spec import Proposal, StepOutcome, register_proposer
+from research_lm.spec import DraftTarget, Proposal, Proposer, StepOutcome, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
 
 _PAGED_KINDS = ("attention", "mla")
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """`research_lm.spec.Proposer` over any causal LM the engine can load."""
 
     aux_hidden_state_layers: tuple[int, ...] = ()
@@ -156,22 +156,20 @@ class DraftModelProposer:
 
 
 @register_proposer("draft_model")
-def build_proposer(speculative_config: dict[str, Any], engine: Any) -> DraftModelProposer:
+def build_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> DraftModelProposer:
     path = head_dir(speculative_config, "draft_model")
     k = speculative_config.get("num_speculative_tokens")
     if k is None:
         raise ValueError("speculative_config for 'draft_model' needs num_speculative_tokens")
-    c = engine.config
     model, hf_config = load_model(
-        path, device=engine.info.device, dtype=engine.info.dtype, attention_backend=c.attention_backend,
-        trust_remote_code=c.trust_remote_code, extra={**c.model_extra(), "eplb": None},
+        path, device=target.device, dtype=target.dtype, attention_backend=target.attention_backend,
+        trust_remote_code=target.trust_remote_code, extra=target.model_extra,
     )
-    if hf_config.vocab_size < engine.info.vocab_size:
+    if hf_config.vocab_size < target.vocab_size:
         raise CheckpointError(
             f"draft model {path} has a vocabulary of {hf_config.vocab_size} tokens, smaller than the target's "
-            f"{engine.info.vocab_size}: it must share the target's tokenizer"
+            f"{target.vocab_size}: it must share the target's tokenizer"
         )
     return DraftModelProposer(
-        model, num_speculative_tokens=int(k), vocab_size=engine.info.vocab_size,
-        max_model_len=engine.info.max_model_len,
+        model, num_speculative_tokens=int(k), vocab_size=target.vocab_size, max_model_len=target.max_model_len,
     )

@@ -57,7 +57,7 @@ from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecode
 from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
 from research_lm.sampler import plain_greedy
-from research_lm.spec import Proposal, StepOutcome, register_proposer
+from research_lm.spec import DraftTarget, Proposal, Proposer, StepOutcome, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
     cache_layers_of,
@@ -250,7 +250,7 @@ class Eagle3Head(nn.Module):
 # The proposer
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """`research_lm.spec.Proposer` over an EAGLE / EAGLE-3 head with its own paged KV cache.
 
     Each step the head first recomputes its rows for every position the target verified this step
@@ -262,13 +262,13 @@ class EagleProposer:
     """
 
     def __init__(
-        self, head: EagleHead | Eagle3Head, target: nn.Module, *, num_speculative_tokens: int,
+        self, head: EagleHead | Eagle3Head, target: DraftTarget, *, num_speculative_tokens: int,
         vocab_size: int, max_model_len: int, aux_hidden_state_layers: tuple[int, ...] = (),
     ):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.head = head
-        self.target = target
+        self.target_embed, self.target_logits = target.embed_tokens, target.compute_logits
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_speculative_tokens - 1  # chained rows at n .. n+k-2
         # The head's row at p reads the token at p + 1: a prefix-cache hit must leave its last block
@@ -282,7 +282,7 @@ class EagleProposer:
         self._drafted_before_verification: StepOutcome | None = None  # the step whose drafts are under way
 
     def _embedding(self) -> nn.Module:
-        return self.head.embed_tokens if self.head.embed_tokens is not None else self.target.get_input_embeddings()
+        return self.head.embed_tokens if self.head.embed_tokens is not None else self.target_embed
 
     def _target_features(self, outcome: StepOutcome, rows: torch.Tensor | slice,
                          out: torch.Tensor | None = None) -> torch.Tensor:  # rows [T] -> [T, F], into out if given
@@ -297,7 +297,7 @@ class EagleProposer:
     def _logits(self, out: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, vocab] fp32
         if isinstance(self.head, Eagle3Head) and self.head.lm_head is not None:
             return self.head.compute_logits(out)
-        return self.target.compute_logits(out)
+        return self.target_logits(out)
 
     def _greedy_argmax(self) -> Callable[..., torch.Tensor] | None:
         """EAGLE-3's argmax over its draft vocabulary, mapped to target ids (no scatter to the target's)."""
@@ -431,8 +431,8 @@ def _num_speculative_tokens(speculative_config: dict[str, Any], method: str) -> 
     return int(k)
 
 
-def _build_context(engine: Any) -> ModelBuildContext:
-    return ModelBuildContext(engine.info.device, engine.info.dtype, engine.config.attention_backend)
+def _build_context(target: DraftTarget) -> ModelBuildContext:
+    return ModelBuildContext(target.device, target.dtype, target.attention_backend)
 
 
 def _load(head: nn.Module, tensors: dict[str, torch.Tensor], what: str, ignorable: set[str]) -> None:
@@ -444,8 +444,8 @@ def _load(head: nn.Module, tensors: dict[str, torch.Tensor], what: str, ignorabl
     head.eval()
 
 
-def _check_common(what: str, cfg: SimpleNamespace, tensors: dict[str, torch.Tensor], engine: Any) -> None:
-    target_vocab = engine.info.vocab_size
+def _check_common(what: str, cfg: SimpleNamespace, tensors: dict[str, torch.Tensor], target: DraftTarget) -> None:
+    target_vocab = target.vocab_size
     if cfg.vocab_size != target_vocab:
         raise CheckpointError(
             f"{what} was made for a vocabulary of {cfg.vocab_size} tokens (config.json vocab_size), "
@@ -454,35 +454,35 @@ def _check_common(what: str, cfg: SimpleNamespace, tensors: dict[str, torch.Tens
     if "embed_tokens.weight" in tensors:
         check_shape(what, "embed_tokens.weight", tensors["embed_tokens.weight"], (target_vocab, cfg.hidden_size),
                     "vocab x hidden size")
-    elif cfg.hidden_size != engine.hf_config.hidden_size:
+    elif cfg.hidden_size != target.hidden_size:
         raise CheckpointError(
             f"{what} has hidden_size {cfg.hidden_size} but no embed_tokens of its own, and the target's "
-            f"embeddings are {engine.hf_config.hidden_size} wide"
+            f"embeddings are {target.hidden_size} wide"
         )
 
 
 @register_proposer("eagle")
-def build_eagle_proposer(speculative_config: dict[str, Any], engine: Any) -> EagleProposer:
+def build_eagle_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> EagleProposer:
     path = head_dir(speculative_config, "eagle")
     what = f"EAGLE head {path}"
     cfg = llama_like_config(read_json_config(path), path)
     tensors = read_head_tensors(path)
     if "midlayer.self_attn.q_proj.weight" in tensors or "d2t" in tensors:
         raise CheckpointError(f"{what} is in the EAGLE-3 layout (midlayer.*, d2t): use method 'eagle3'")
-    target_hidden = engine.hf_config.hidden_size
+    target_hidden = target.hidden_size
     if cfg.hidden_size != target_hidden:
         raise CheckpointError(
             f"{what} has hidden_size {cfg.hidden_size} (config.json), but the target's hidden size is {target_hidden}"
         )
-    _check_common(what, cfg, tensors, engine)
+    _check_common(what, cfg, tensors, target)
     if "fc.weight" in tensors:
         check_shape(what, "fc.weight", tensors["fc.weight"], (cfg.hidden_size, 2 * target_hidden),
                     "hidden x [embedding; target feature]")
-    head = EagleHead(cfg, _build_context(engine), tensors)
+    head = EagleHead(cfg, _build_context(target), tensors)
     _load(head, tensors, what, {n for n in tensors if is_rotary_buffer(n)})
     return EagleProposer(
-        head, engine.model, num_speculative_tokens=_num_speculative_tokens(speculative_config, "eagle"),
-        vocab_size=engine.info.vocab_size, max_model_len=engine.info.max_model_len,
+        head, target, num_speculative_tokens=_num_speculative_tokens(speculative_config, "eagle"),
+        vocab_size=target.vocab_size, max_model_len=target.max_model_len,
     )
 
 
@@ -533,7 +533,7 @@ def _draft_vocab_map(
 
 
 @register_proposer("eagle3")
-def build_eagle3_proposer(speculative_config: dict[str, Any], engine: Any) -> EagleProposer:
+def build_eagle3_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> EagleProposer:
     path = head_dir(speculative_config, "eagle3")
     what = f"EAGLE-3 head {path}"
     raw = read_json_config(path)
@@ -546,8 +546,8 @@ def build_eagle3_proposer(speculative_config: dict[str, Any], engine: Any) -> Ea
         raise CheckpointError(
             f"{what}: num_hidden_layers is {cfg.num_hidden_layers}; the published layout has one midlayer"
         )
-    _check_common(what, cfg, tensors, engine)
-    target_vocab, target_hidden = engine.info.vocab_size, engine.hf_config.hidden_size
+    _check_common(what, cfg, tensors, target)
+    target_vocab, target_hidden = target.vocab_size, target.hidden_size
     head_target_hidden = raw.get("target_hidden_size") or cfg.hidden_size
     if head_target_hidden != target_hidden:
         raise CheckpointError(
@@ -555,7 +555,7 @@ def build_eagle3_proposer(speculative_config: dict[str, Any], engine: Any) -> Ea
             f"{'target_hidden_size' if raw.get('target_hidden_size') else 'hidden_size'}), "
             f"but the target's hidden size is {target_hidden}"
         )
-    aux = eagle3_aux_layers(speculative_config, raw, engine.hf_config.num_hidden_layers)
+    aux = eagle3_aux_layers(speculative_config, raw, target.num_hidden_layers)
     check_shape(what, "fc.weight", tensors["fc.weight"], (cfg.hidden_size, len(aux) * target_hidden),
                 f"hidden x {len(aux)} fused target layers of size {target_hidden}")
     draft_vocab = int(raw.get("draft_vocab_size") or target_vocab)
@@ -567,10 +567,10 @@ def build_eagle3_proposer(speculative_config: dict[str, Any], engine: Any) -> Ea
         raise CheckpointError(f"{what} has no lm_head.weight, and the target's lm_head does not fit its "
                               f"draft vocabulary ({draft_vocab}) or hidden size ({cfg.hidden_size})")
     mapped = _draft_vocab_map(what, tensors, draft_vocab, target_vocab)
-    head = Eagle3Head(cfg, _build_context(engine), tensors, len(aux) * target_hidden, draft_vocab, target_vocab)
+    head = Eagle3Head(cfg, _build_context(target), tensors, len(aux) * target_hidden, draft_vocab, target_vocab)
     _load(head, tensors, what, {"d2t", "t2d"} | {n for n in tensors if is_rotary_buffer(n)})
     head.draft_to_target.copy_(mapped)
     return EagleProposer(
-        head, engine.model, num_speculative_tokens=_num_speculative_tokens(speculative_config, "eagle3"),
-        vocab_size=target_vocab, max_model_len=engine.info.max_model_len, aux_hidden_state_layers=aux,
+        head, target, num_speculative_tokens=_num_speculative_tokens(speculative_config, "eagle3"),
+        vocab_size=target_vocab, max_model_len=target.max_model_len, aux_hidden_state_layers=aux,
     )

@@ -26,7 +26,7 @@ from research_lm.models.base import CheckpointError, ModelBuildContext, build_sc
 from research_lm.models.layers import Linear
 from research_lm.models.loader import checkpoint_files, read_json_config
 from research_lm.request import PLACEHOLDER
-from research_lm.spec import PendingDrafts, Proposal, StepOutcome, register_proposer
+from research_lm.spec import DraftTarget, PendingDrafts, Proposal, Proposer, StepOutcome, register_proposer
 from spec_decode.heads import (
     check_names,
     check_shape,
@@ -100,7 +100,7 @@ class MedusaHeads(nn.ModuleList):
         return torch.bmm(x, lm_head[:k].transpose(1, 2)).transpose(0, 1).float()  # [n, k, V]
 
 
-class MedusaProposer:
+class MedusaProposer(Proposer):
     """`research_lm.spec.Proposer`: draft j of a request is head j's choice at its last verified row. Greedy drafts
     stay on the device (`PendingDrafts`): the next step's forward reads them there, and nothing waits for the heads
     before that step verifies them."""
@@ -214,16 +214,13 @@ def load_medusa_heads(path: Path, *, hidden_size: int, vocab_size: int, build: M
 
 
 @register_proposer("medusa")
-def build_proposer(speculative_config: dict[str, Any], engine: Any) -> MedusaProposer:
+def build_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> MedusaProposer:
     path = head_dir(speculative_config, "medusa")
     k = speculative_config.get("num_speculative_tokens")
     if k is None:
         raise ValueError("speculative_config for 'medusa' needs num_speculative_tokens")
-    build = ModelBuildContext(engine.info.device, engine.info.dtype, engine.config.attention_backend)
-    heads = load_medusa_heads(
-        path, hidden_size=engine.hf_config.hidden_size, vocab_size=engine.info.vocab_size, build=build
-    )
+    build = ModelBuildContext(target.device, target.dtype, target.attention_backend)
+    heads = load_medusa_heads(path, hidden_size=target.hidden_size, vocab_size=target.vocab_size, build=build)
     return MedusaProposer(
-        heads, num_speculative_tokens=int(k), vocab_size=engine.info.vocab_size,
-        max_model_len=engine.info.max_model_len,
+        heads, num_speculative_tokens=int(k), vocab_size=target.vocab_size, max_model_len=target.max_model_len,
     )

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from research_lm.request import Request
-from research_lm.spec import Proposal, StepOutcome, register_proposer
+from research_lm.spec import DraftTarget, Proposal, Proposer, StepOutcome, register_proposer
 
 
 class NgramProposer:
@@ -106,7 +106,7 @@ class _TokenArrays:
             self._arrays.pop(req_id, None)
 
 
-class NgramStepProposer:
+class NgramStepProposer(Proposer):
     """`research_lm.spec.Proposer` over `NgramProposer`: needs no hidden states or q."""
 
     aux_hidden_state_layers: tuple[int, ...] = ()
@@ -130,7 +130,7 @@ class NgramStepProposer:
 
 
 @register_proposer("ngram")
-def build_proposer(speculative_config: dict[str, Any], target: Any) -> NgramStepProposer:
+def build_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> NgramStepProposer:
     """vLLM's keys and defaults: one of the lookup bounds defaults to the other, both to 5."""
     lo, hi = speculative_config.get("prompt_lookup_min"), speculative_config.get("prompt_lookup_max")
     if lo is None and hi is None:

@@ -11,7 +11,7 @@ import pytest
 
 import research_lm
 from research_lm import LLM, SamplingParams
-from research_lm.spec import PROPOSERS, Proposal, StepOutcome, build_proposer, register_proposer
+from research_lm.spec import PROPOSERS, DraftTarget, Proposal, Proposer, StepOutcome, build_proposer, register_proposer
 
 METHODS = ["draft_model", "eagle", "eagle3", "medusa", "ngram"]
 _NAMES_SPEC_DECODE = re.compile(r"^\s*(import|from)\s+spec_decode\b|[\"']spec_decode\.", re.M)
@@ -37,10 +37,8 @@ def test_an_unknown_method_lists_the_valid_ones():
     assert all(repr(method) in str(e.value) for method in METHODS)
 
 
-class _RepeatLast:
-    """Drafts each request's last emitted token k times: often wrong, sometimes right."""
-
-    aux_hidden_state_layers: tuple[int, ...] = ()
+class _RepeatLast(Proposer):
+    """Drafts each request's last emitted token k times: often wrong, sometimes right. Only `propose` is required."""
 
     def __init__(self, k: int) -> None:
         self.num_speculative_tokens = k
@@ -48,9 +46,6 @@ class _RepeatLast:
     def propose(self, outcome: StepOutcome) -> Proposal:
         return Proposal({r.request_id: [e[-1]] * self.num_speculative_tokens if e else []
                          for r, e in zip(outcome.requests, outcome.emitted, strict=True)})
-
-    def on_requests_removed(self, req_ids: set[str]) -> None:
-        pass
 
 
 @pytest.fixture
@@ -84,6 +79,8 @@ def test_the_engine_decodes_with_a_registered_proposer(toy_method, tiny_checkpoi
     want = [o.outputs[0].token_ids for o in LLM(path, **knobs).generate(prompts, params, use_tqdm=False)]
     llm = LLM(path, **knobs, speculative_config={"method": "toy", "num_speculative_tokens": 2})
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert len(toy_method) == 1 and toy_method[0] is llm.engine
+    target = toy_method[0]  # what a factory is given: a description of the target, never the engine
+    assert len(toy_method) == 1 and isinstance(target, DraftTarget) and target.vocab_size == llm.engine.info.vocab_size
+    assert target.compute_logits == llm.engine.model.compute_logits
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
