@@ -104,6 +104,14 @@ TABLES: dict[str, Table] = {
         smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--num-requests", "2",
                "--hf-batch", "2", "--temperatures", "0"),
     ),
+    "bench_defaults": Table(
+        what="what `LLM(model)` with nothing else set gives on a GPU, against the tuned settings in the same "
+             "process: nano-vllm workload tok/s and batch-1 decode ms/token (issue 27)",
+        device="cuda", measured_on="NVIDIA H100 80GB HBM3", minutes="~2.5 min",
+        bench="bench_defaults",
+        smoke=("--tiny", "--device", "cpu", "--dtype", "float32", "--num-requests", "2", "--decode-tokens", "4",
+               "--workload-runs", "1"),
+    ),
     "bench_attention": Table(
         what="paged attention kernels (decode GB/s, prefill TFLOP/s): triton vs FlashInfer (`.[flashinfer]`) vs "
              "torch_ref vs dense SDPA over batch x context",
