@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import os
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
@@ -85,3 +87,42 @@ def checked(label: str, value: Any, kind: str) -> Any:
         return convert(value)
     except _Bad:
         raise ValueError(f"{label} must be {rule}{' or None' if optional else ''}, got {value!r}") from None
+
+
+def matches_annotation(value: Any, tp: Any) -> bool:
+    """Whether `value` is of the annotated type `tp` (unions, None, bool, int, float (an int is one), str, lists and
+    tuples of those, dicts; anything else passes): what a dataclass field or a config key declares."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(matches_annotation(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is bool:  # bool before int: True is an int to isinstance
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin in (list, tuple):
+        fixed = origin is tuple and Ellipsis not in args
+        return (isinstance(value, list | tuple) and (not fixed or len(value) == len(args))
+                and all(matches_annotation(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict)
+    return True  # Any, or a type no config value is compared with
+
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+
+
+def describe_annotation(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe_annotation(a) for a in args)
+    if origin in (list, tuple):
+        count = f"{len(args)} " if origin is tuple and Ellipsis not in args else ""
+        return f"a list of {count}{_PLURALS.get(args[0], 'values')}"
+    return _NAMES.get(tp, getattr(tp, "__name__", str(tp)))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from research_lm.checks import describe_annotation, matches_annotation
 from research_lm.config import EngineConfig
 from research_lm.sampling_params import SamplingParams
 from research_lm.workloads import WORKLOAD_KINDS, WorkloadSpec
@@ -165,8 +165,8 @@ def check_config(cfg: DictConfig) -> None:
     types_ = _expected_types(cfg)
     values = {key: _value(cfg, key) for key in types_}
     for key, tp in types_.items():
-        if not _matches(values[key], tp):
-            raise UsageError(f"{key} must be {_describe(tp)}, got {values[key]!r}")
+        if not matches_annotation(values[key], tp):
+            raise UsageError(f"{key} must be {describe_annotation(tp)}, got {values[key]!r}")
     _check_ranges(values)
     _check_paths(cfg)
 
@@ -217,43 +217,6 @@ def _value(cfg: DictConfig, key: str) -> Any:
     except OmegaConfBaseException as e:  # e.g. an interpolation to a key that does not exist
         raise UsageError(f"{key}: {str(e).splitlines()[0]}") from None
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
-
-
-def _matches(value: Any, tp: Any) -> bool:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, a) for a in args)
-    if tp is type(None):
-        return value is None
-    if tp is bool:  # bool before int: True is an int to isinstance
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if origin in (list, tuple):
-        fixed = origin is tuple and Ellipsis not in args
-        return (isinstance(value, list | tuple) and (not fixed or len(value) == len(args))
-                and all(_matches(v, args[0]) for v in value))
-    if origin is dict:
-        return isinstance(value, dict)
-    return True  # Any, or a type no config value is compared with
-
-
-_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
-_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
-
-
-def _describe(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin in (list, tuple):
-        count = f"{len(args)} " if origin is tuple and Ellipsis not in args else ""
-        return f"a list of {count}{_PLURALS.get(args[0], 'values')}"
-    return _NAMES.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _check_ranges(values: dict[str, Any]) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import types
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
+
+from research_lm.checks import describe_annotation, matches_annotation
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -126,27 +127,5 @@ def _check_types(config: Any) -> None:
     hints = typing.get_type_hints(type(config))
     for f in fields(config):
         value = getattr(config, f.name)
-        if not _is_a(value, hints[f.name]):
-            raise ValueError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
-
-
-def _is_a(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_is_a(value, h) for h in typing.get_args(hint))
-    if hint is Any:
-        return True
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, origin or hint)
-
-
-def _describe(hint: Any) -> str:
-    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
-    return " or ".join(names.get(typing.get_origin(a) or a, f"a {(typing.get_origin(a) or a).__name__}")
-                       for a in args)
+        if not matches_annotation(value, hints[f.name]):
+            raise ValueError(f"{f.name} must be {describe_annotation(hints[f.name])}, got {value!r}")
