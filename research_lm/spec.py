@@ -164,7 +164,6 @@ class Proposer(ABC):
 # the modules that do with `PROPOSERS.add_module`); an unknown method's error lists them all.
 PROPOSERS: Registry[Callable[[dict[str, Any], DraftTarget], Proposer]] = Registry(
     "speculative method", plugins="research_lm.proposers")
-register_proposer = PROPOSERS.register
 
 
 def speculative_method(speculative_config: dict[str, Any]) -> str | None:
@@ -194,33 +193,41 @@ def speculative_method(speculative_config: dict[str, Any]) -> str | None:
     return "draft_model"
 
 
-# speculative_config keys every method reads, and those only some read (vLLM's names).
-_COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"}
-_METHOD_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "eagle3": {"eagle_aux_hidden_state_layer_ids"}}
-# key -> the kind of its value (research_lm.checks); None leaves a key unset (conf/spec's yaml writes nulls)
-_KINDS = {
-    "method": "str?", "model": "path?", "num_speculative_tokens": "posint?", "draft_tensor_parallel_size": "posint?",
-    "prompt_lookup_min": "posint?", "prompt_lookup_max": "posint?", "eagle_aux_hidden_state_layer_ids": "ints?",
-}
+# speculative_config keys every method reads (vLLM's names) -> the kind of its value (research_lm.checks); None
+# leaves a key unset (conf/spec's yaml writes nulls). A method's own keys come with its registration.
+_COMMON_KEYS = {"method": "str?", "model": "path?", "num_speculative_tokens": "posint?",
+                "draft_tensor_parallel_size": "posint?"}
+_METHOD_KEYS: dict[str, dict[str, str]] = {}  # method -> its own keys -> their kinds (register_proposer)
+
+
+def register_proposer(name: str, **keys: str) -> Callable[[Callable], Callable]:
+    """`@register_proposer("ngram", prompt_lookup_min="posint?", ...)` on the factory of method `name`, with the
+    speculative_config keys it reads beyond the common ones, each with the kind of its value (research_lm.checks)."""
+    def wrap(factory: Callable) -> Callable:
+        _METHOD_KEYS[name] = dict(keys)
+        return PROPOSERS.register(name)(factory)
+
+    return wrap
 
 
 def check_speculative_config(speculative_config: Mapping[str, Any]) -> dict[str, Any]:
     """The config with every value checked (numpy ints become ints) and its method resolved
-    (`speculative_method`); errors name the key. Cheap (at most a head's config.json is read), so the `LLM`
-    calls it before loading any weights; `build_proposer` calls it again for engines built otherwise."""
+    (`speculative_method`); errors name the key. Cheap (the method's module is imported, at most a head's
+    config.json read), so the engine's config calls it before loading any weights."""
     if not isinstance(speculative_config, Mapping):
         raise ValueError(f"speculative_config must be a dict of vLLM's keys, got {speculative_config!r}")
-    # unknown keys pass through here: refused below, with the valid ones for the method listed
-    config = {k: checked(f"speculative_config[{k!r}]", v, _KINDS[k]) if k in _KINDS else v
+    config = {k: checked(f"speculative_config[{k!r}]", v, _COMMON_KEYS[k]) if k in _COMMON_KEYS else v
               for k, v in speculative_config.items()}
     method = speculative_method(config)
     config["method"] = method
     if method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {method!r}; choose one of {PROPOSERS.names()}")
-    valid = _COMMON_KEYS | _METHOD_KEYS.get(method, set())
-    unknown = sorted(set(config) - valid)
+    PROPOSERS.get(method)  # imports its module, which registers its keys
+    kinds = _COMMON_KEYS | _METHOD_KEYS.get(method, {})
+    unknown = sorted(set(config) - set(kinds))
     if unknown:  # a misspelt knob must not fall back to its default unnoticed
-        raise ValueError(f"unknown speculative_config key(s) {unknown} for {method!r}; valid ones: {sorted(valid)}")
+        raise ValueError(f"unknown speculative_config key(s) {unknown} for {method!r}; valid ones: {sorted(kinds)}")
+    config = {k: checked(f"speculative_config[{k!r}]", v, kinds[k]) for k, v in config.items()}
     if config.get("draft_tensor_parallel_size", 1) not in (1, None):
         raise ValueError(f"draft_tensor_parallel_size={config['draft_tensor_parallel_size']}: the drafter "
                          "runs on the target's one GPU (tensor parallelism is not implemented)")

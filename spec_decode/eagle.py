@@ -532,7 +532,7 @@ def _draft_vocab_map(
     return mapped
 
 
-@register_proposer("eagle3")
+@register_proposer("eagle3", eagle_aux_hidden_state_layer_ids="ints?")
 def build_eagle3_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> EagleProposer:
     path = head_dir(speculative_config, "eagle3")
     what = f"EAGLE-3 head {path}"

@@ -129,7 +129,7 @@ class NgramStepProposer(Proposer):
         self._tokens.drop(req_ids)
 
 
-@register_proposer("ngram")
+@register_proposer("ngram", prompt_lookup_min="posint?", prompt_lookup_max="posint?")
 def build_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> NgramStepProposer:
     """vLLM's keys and defaults: one of the lookup bounds defaults to the other, both to 5."""
     lo, hi = speculative_config.get("prompt_lookup_min"), speculative_config.get("prompt_lookup_max")

@@ -11,7 +11,16 @@ import pytest
 
 import research_lm
 from research_lm import LLM, SamplingParams
-from research_lm.spec import PROPOSERS, DraftTarget, Proposal, Proposer, StepOutcome, build_proposer, register_proposer
+from research_lm.spec import (
+    _METHOD_KEYS,
+    PROPOSERS,
+    DraftTarget,
+    Proposal,
+    Proposer,
+    StepOutcome,
+    build_proposer,
+    register_proposer,
+)
 
 METHODS = ["draft_model", "eagle", "eagle3", "medusa", "ngram"]
 _NAMES_SPEC_DECODE = re.compile(r"^\s*(import|from)\s+spec_decode\b|[\"']spec_decode\.", re.M)
@@ -53,7 +62,7 @@ def toy_method():
     """A method registered here, out of the registry again afterwards."""
     built = []
 
-    @register_proposer("toy")
+    @register_proposer("toy", toy_width="posint?")  # a key of its own, declared here alone
     def build_toy(speculative_config, target):
         built.append(target)
         return _RepeatLast(int(speculative_config["num_speculative_tokens"]))
@@ -62,11 +71,14 @@ def toy_method():
         yield built
     finally:
         PROPOSERS.entries.pop("toy", None)
+        _METHOD_KEYS.pop("toy", None)
 
 
 def test_a_registered_proposer_is_built_without_editing_research_lm(toy_method):
     assert "toy" in PROPOSERS.names()
-    proposer = build_proposer({"method": "toy", "num_speculative_tokens": 2}, "target")
+    proposer = build_proposer({"method": "toy", "num_speculative_tokens": 2, "toy_width": 3}, "target")
+    with pytest.raises(ValueError, match=r"speculative_config\['toy_width'\] must be a positive integer"):
+        build_proposer({"method": "toy", "num_speculative_tokens": 2, "toy_width": "wide"}, "target")
     assert isinstance(proposer, _RepeatLast) and proposer.num_speculative_tokens == 2 and toy_method == ["target"]
 
 
