@@ -20,6 +20,11 @@ from numbers import Integral, Real
 from typing import Any
 
 
+class InvalidType(TypeError, ValueError):
+    """A value not of its field's kind: a TypeError, as Python names it, and a ValueError, as our edge checks (and
+    the CLI, which turns them into one line) name what a user handed in wrongly."""
+
+
 class _Bad(Exception):
     """A value not of its kind (turned into the ValueError that names the field)."""
 
@@ -86,7 +91,7 @@ def checked(label: str, value: Any, kind: str) -> Any:
     try:
         return convert(value)
     except _Bad:
-        raise ValueError(f"{label} must be {rule}{' or None' if optional else ''}, got {value!r}") from None
+        raise InvalidType(f"{label} must be {rule}{' or None' if optional else ''}, got {value!r}") from None
 
 
 def matches_annotation(value: Any, tp: Any) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from research_lm.checks import describe_annotation, matches_annotation
+from research_lm.checks import InvalidType, describe_annotation, matches_annotation
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -128,4 +128,4 @@ def _check_types(config: Any) -> None:
     for f in fields(config):
         value = getattr(config, f.name)
         if not matches_annotation(value, hints[f.name]):
-            raise ValueError(f"{f.name} must be {describe_annotation(hints[f.name])}, got {value!r}")
+            raise InvalidType(f"{f.name} must be {describe_annotation(hints[f.name])}, got {value!r}")

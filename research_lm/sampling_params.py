@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from research_lm.checks import checked
+from research_lm.checks import InvalidType, checked
 
 _GREEDY_EPS = 1e-5
 
@@ -107,6 +107,6 @@ def _checked_logit_bias(bias: Any) -> dict[int, float]:
         return {checked("logit_bias key", int(t) if isinstance(t, str) else t, "int"):
                 checked("logit_bias value", b, "number") for t, b in bias.items()}
     except ValueError:  # int("abc") or a checked(...): one message that shows the whole mapping
-        raise ValueError(
+        raise InvalidType(
             f"SamplingParams.logit_bias must map token ids (integers) to finite numbers, got {bias!r}"
         ) from None

@@ -173,3 +173,14 @@ def test_llm_still_generates_after_a_bad_request():
     assert outs[0].outputs[0].token_ids == before and len(before) == 4
     assert len(outs[1].outputs[0].token_ids) >= 1 and outs[1].outputs[0].logprobs is not None
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_value_of_the_wrong_type_is_both_a_type_error_and_a_value_error():
+    from research_lm.config import EngineConfig
+
+    for build in (lambda: SamplingParams(seed="abc"), lambda: SamplingParams(logprobs=2.5),
+                  lambda: EngineConfig(max_num_seqs="abc")):
+        with pytest.raises(TypeError):
+            build()
+        with pytest.raises(ValueError):
+            build()
