@@ -48,6 +48,10 @@
 # Session 19 ran `tests` at b87f70c (passed), at b9cf3f2 (one capture failure, in the one capture made with the collector
 # on) and twice at 5e49910 (passed: cuda_graph_capture keeps it off); and spec_ablation_h200 at b9cf3f2 on one H100
 # (15 parts of 66-94 s from --print-commands over three calls, --from-sweep): no capture failure in 270 jobs.
+# Session 20 ran bench_defaults (experiments/results/bench_defaults.md) and `pytest -m gpu tests/test_cuda_graphs.py
+# tests/engine tests/ops tests/attention_zoo` at 1c767a0 (passed), the triton-attention and graph GPU tests at f29c7d9
+# (split-KV: empty splits idle). Not yet run on a GPU: issue 28's stages 1-2 (b44db70, da81c16: the generic registry,
+# proposers found through the entry point, the Proposer base class and DraftTarget): run `tests` first next session.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
