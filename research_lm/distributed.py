@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from research_lm.moe.config import EplbSettings
+from research_lm.eplb.settings import EplbSettings
 
 
 def torchrun_env() -> tuple[int, int, int]:

@@ -11,11 +11,11 @@ import torch
 
 from research_lm.config import EngineConfig
 from research_lm.distributed import setup_expert_parallel
+from research_lm.eplb.controller import build_eplb_controller
 from research_lm.kv_cache import KVCacheManager
 from research_lm.memory import num_kv_blocks, profile_peak_activation_bytes
 from research_lm.metrics import EngineMetrics
 from research_lm.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
-from research_lm.moe.eplb_controller import build_eplb_controller
 from research_lm.ops import set_fused_ops
 from research_lm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from research_lm.request import Request, RequestStatus

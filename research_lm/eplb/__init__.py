@@ -6,6 +6,8 @@
 
 Policies (`available_policies()`): none, deepseek, deepseek_swap, lpt, snake; see each module's
 docstring for the question it answers. The registry's contract is in `research_lm.eplb.registry`.
+The engine's side: `settings.EplbSettings` (an eplb_config, validated) and `controller.build_eplb_controller`
+(record load, rebalance every step_interval steps, simulate EP), imported from their modules.
 """
 
 from research_lm.eplb.deepseek import rebalance_experts

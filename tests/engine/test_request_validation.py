@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from research_lm import LLM, SamplingParams
-from research_lm.moe.config import EplbSettings
+from research_lm.eplb.settings import EplbSettings
 from research_lm.spec import _METHOD_KEYS, check_speculative_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -19,8 +19,9 @@ import torch.multiprocessing as mp
 from research_lm import LLM, SamplingParams
 from research_lm.distributed import setup_expert_parallel
 from research_lm.eplb import load_trace
+from research_lm.eplb.controller import moe_layers
 from research_lm.models import load_model
-from research_lm.moe import MoeOptions, moe_layers
+from research_lm.moe import MoeOptions
 from research_lm.moe.ep import transfer_plan
 
 WORLD = 2

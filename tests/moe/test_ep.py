@@ -13,7 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from research_lm.eplb import get_policy
-from research_lm.moe import EplbController, EplbSettings, MoeBlock, MoeOptions, RouterConfig
+from research_lm.eplb.controller import EplbController
+from research_lm.eplb.settings import EplbSettings
+from research_lm.moe import MoeBlock, MoeOptions, RouterConfig
 from research_lm.moe.ep import transfer_plan
 
 E, H, INTER, WORLD = 6, 16, 12, 2

@@ -10,7 +10,8 @@ import torch
 
 from research_lm import LLM, SamplingParams
 from research_lm.eplb import load_trace, replay
-from research_lm.moe import FusedMoE, build_eplb_controller
+from research_lm.eplb.controller import build_eplb_controller
+from research_lm.moe import FusedMoE
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 EPLB = dict(policy="deepseek", step_interval=2, window_size=3, num_redundant_experts=2, num_ep_ranks=2)

@@ -33,8 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from research_lm.eplb import ExpertLoadWindow, TraceRecorder, get_policy, physical_to_logical, rank_load
-from research_lm.moe.config import EplbSettings
+from research_lm.eplb.load import ExpertLoadWindow, physical_to_logical
+from research_lm.eplb.metrics import rank_load
+from research_lm.eplb.registry import get_policy
+from research_lm.eplb.settings import EplbSettings
+from research_lm.eplb.trace import TraceRecorder
 from research_lm.moe.layer import FusedMoE, MoeGate
 
 
