@@ -280,9 +280,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput | None) -> None:
         """Back to the front of the queue, to recompute; `out` None: a rollback (`recover`), the runner is reset."""
-        if request.num_output_placeholders:  # rolled back with tokens in flight: they will never be outputs
-            del request.output_token_ids[-request.num_output_placeholders :]
-            request.num_output_placeholders = 0
+        _drop_placeholders(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -502,9 +500,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         """Release a request already removed from `waiting` / `running`."""
-        if request.num_output_placeholders:  # aborted with tokens in flight: they will never be outputs
-            del request.output_token_ids[-request.num_output_placeholders :]
-            request.num_output_placeholders = 0
+        _drop_placeholders(request)
         if request.status == RequestStatus.RUNNING and reason != "error":  # a failed step's KV is not trusted
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
         self.kv_cache.free(request)
@@ -515,3 +511,11 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self.suspects.pop(request.request_id, None)
         self._finished_since_schedule.add(request.request_id)
+
+
+def _drop_placeholders(request: Request) -> None:
+    """A request leaving the running set (finished, aborted, preempted, rolled back) with tokens in flight: those
+    will never be outputs."""
+    if request.num_output_placeholders:
+        del request.output_token_ids[-request.num_output_placeholders :]
+        request.num_output_placeholders = 0
