@@ -271,7 +271,7 @@ def _check_paths(cfg: DictConfig) -> None:
 
 
 def _checkpoint(key: str, name: Any) -> None:
-    from research_lm.models.loader import builtin_models, resolve_model_path
+    from research_lm.models.loader import builtin_models, read_json_config, resolve_model_path
 
     try:
         path = resolve_model_path(str(name))
@@ -280,8 +280,8 @@ def _checkpoint(key: str, name: Any) -> None:
                          f"(built-ins: {', '.join(builtin_models()) or 'none'})") from None
     if not path.is_dir():
         raise UsageError(f"{key}: {str(path)!r} is a file, not a checkpoint directory")
-    if not (path / "config.json").is_file():
-        raise UsageError(f"{key}: {str(path)!r} has no config.json, so it is no checkpoint directory")
-    if not os.access(path / "config.json", os.R_OK):
-        raise UsageError(f"{key}: cannot read {str(path / 'config.json')!r} (permission denied)")
+    try:
+        read_json_config(path)  # the loaders' own reading: missing, unreadable or not a JSON object
+    except ValueError as e:
+        raise UsageError(f"{key}: {e}") from None
 
