@@ -53,7 +53,7 @@ REPEAT_KEY = "repeat"  # `+repeat=0,1,2`: jobs that differ only in it are repeat
 
 
 def describe_head(head: dict[str, Any] | None) -> str:
-    """One line on the head that drafted (results.json's `spec_head`, research_lm.experiment.head_record): which
+    """One line on the head that drafted (results.json's `spec_head`, research_lm.spec_notes.head_record): which
     one, where it came from and its training steps; "" for a run without one."""
     if not head:
         return ""
@@ -339,7 +339,7 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
         lines += _table(["job" if not repeated else "jobs", *[f"`{k}`" for k in keys], *heads, *cols], rows)
         lines.append("")
         notes = [(c, n) for c in plain for n in _notes(c)]
-        if notes:  # what the run found questionable in its own numbers (experiment.speculation_note, ...)
+        if notes:  # what the run found questionable in its own numbers (spec_notes.speculation_note, ...)
             lines += ["Notes:", ""] + [f"- {c.name}{f' ({c.label})' if c.label != c.name else ''}: {n}"
                                        for c, n in notes] + [""]
     for cell in (c for c in cells if c.task == "eplb_replay"):
