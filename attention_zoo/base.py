@@ -2,6 +2,10 @@
 
 A backend is one file: subclass `AttentionBackend`, decorate it with `@register_backend("name")`,
 and list its module in `registry.BACKENDS` so it is imported only when chosen.
+
+Per step the runner calls `build_metadata` once (eager steps). A backend that declares `cuda_graphs` is
+recorded into graphs with `build_graph_metadata` at capture, and `prepare_replay` makes that metadata serve
+each step the graph replays: the two capture hooks are all a backend implements to reach the runner's graphs.
 """
 
 from __future__ import annotations
@@ -43,9 +47,12 @@ class BackendCapabilities:
     kinds: frozenset[str] = frozenset({"attention"})
     sliding_window: bool = False
     cuda_graphs: bool = False
-    # A captured graph may also hold steps of several query tokens per request (spec verification):
-    # the launch plan fixed at capture serves any query lengths up to the captured one.
+    # A captured graph may also hold steps of several query tokens per request (spec verification, one
+    # request's prompt): the launch plan fixed at capture serves any query lengths up to the captured one.
     cuda_graphs_multi_token: bool = False
+    # `prepare_replay` plans from the step's lengths on the host (FlashInfer): graphs whose lengths only the
+    # device knows (draft chains, a verify step launched before the previous one is verified) cannot use it.
+    graphs_plan_on_host: bool = False
 
     def missing(self, spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str | None:
         """A sentence naming what this backend lacks for (spec, device, dtype), or None if it serves it."""
@@ -98,6 +105,23 @@ class AttentionBackend(ABC):
     def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
         """Once per step, before the forward. Default: kernels read the common record directly."""
         return common
+
+    @classmethod
+    def build_graph_metadata(cls, common: CommonAttentionMetadata) -> Any:
+        """At capture: the metadata a CUDA graph records. `common` is the graph's padded shape (num_reqs = B,
+        max_query_len = q, num_tokens = B * q, max_seq_len = max_model_len) over the runner's persistent step
+        buffers. Every device tensor the metadata holds must live as long as the graph (`prepare_replay` refreshes
+        them in place). Default: `build_metadata`, for kernels that read only the record's device buffers and plan
+        from its host integers."""
+        return cls.build_metadata(common)
+
+    @classmethod
+    def prepare_replay(cls, metadata: Any, common: CommonAttentionMetadata) -> None:
+        """Before each replay of a graph recorded with `metadata` (from `build_graph_metadata`): make it serve this
+        step. `common` is the step's own record: its n <= B requests and T <= B * q tokens, host mirrors included;
+        the step buffers already hold its inputs, padded to the graph's shape. Runs on the host, outside the graph.
+        Default: nothing to refresh."""
+        return None
 
     @classmethod
     @abstractmethod

@@ -84,12 +84,17 @@ def unsupported_reason(model: torch.nn.Module, backends: Sequence[Any], device: 
     return uncapturable_reason(model, backends)
 
 
-def uncapturable_reason(model: torch.nn.Module, backends: Sequence[Any]) -> str | None:
+def uncapturable_reason(model: torch.nn.Module, backends: Sequence[Any], lengths_on_device: bool = False) -> str | None:
     """Why this model's forward with these attention backends cannot be captured, whatever the device
-    (None: it can). A drafter checks itself with this: it may be another architecture than the target."""
+    (None: it can). A drafter checks itself with this: it may be another architecture than the target, and its
+    chain's lengths exist only on the device (`lengths_on_device`), which backends that plan a replay on the host
+    (`graphs_plan_on_host`) cannot serve."""
     eager = sorted(b.name for b in backends if not b.capabilities.cuda_graphs)
     if eager:
         return f"attention backend(s) {eager} do not support CUDA graphs"
+    host = sorted(b.name for b in backends if b.capabilities.graphs_plan_on_host)
+    if lengths_on_device and host:
+        return f"attention backend(s) {host} plan each replay from lengths on the host, which only the device knows here"
     layers = sorted({type(m).__name__ for m in model.modules() if getattr(type(m), "cuda_graphs", True) is False})
     if layers:
         return f"layers {layers} do not support CUDA graphs"
@@ -253,6 +258,7 @@ class DecodeGraphs:
         self.prefill = sorted(q for q in set(prefill_sizes) if longest < q <= limit)
         self.addresses: dict[tuple[int, int], dict[str, int]] = {}  # (B, q) -> buffer addresses at capture
         self._replay: dict[tuple[int, int], Callable[[], Outputs]] = {}
+        self._metadata: dict[tuple[int, int], list[tuple[Any, Any]]] = {}  # (B, q) -> (backend, its graph metadata)
         self.compute_logits = compute_logits
         self.logits: torch.Tensor | None = None  # [max(B * q), vocab] fp32
         self.greedy_ids: torch.Tensor | None = None  # [max(B * q)] int64
@@ -281,7 +287,8 @@ class DecodeGraphs:
                         (buf.query_start_loc, b + 1)):
             x.copy_to_gpu(rows)
         common = graph_metadata(buf, b, block_size, max_seq_len, q)
-        metadata = {backend.name: backend.build_metadata(common) for backend in backends}
+        metadata = {backend.name: backend.build_graph_metadata(common) for backend in backends}
+        self._metadata[b, q] = [(backend, metadata[backend.name]) for backend in backends]
         input_ids, positions = buf.input_ids.gpu[:t], buf.positions.gpu[:t]
 
         logits_too = self.compute_logits is not None and q not in self.prefill
@@ -333,12 +340,15 @@ class DecodeGraphs:
         for x in (buf.seq_lens, buf.request_rows):
             x.copy_to_gpu(b)
         buf.query_start_loc.copy_to_gpu(b + 1)
-        return self.replay(key, t)
+        return self.replay(key, common)
 
-    def replay(self, key: tuple[int, int], num_tokens: int) -> GraphStep:
-        """Replay the graph of `key` over step buffers already padded to its size and copied (the runner's
-        `_prepare_inputs` does both): token rows 0 .. num_tokens of the outputs, valid until the next replay."""
-        t = num_tokens
+    def replay(self, key: tuple[int, int], common: CommonAttentionMetadata) -> GraphStep:
+        """Replay the graph of `key` for the step of record `common`, over step buffers already padded to its size
+        and copied (the runner's `_prepare_inputs` does both); each backend first refreshes its graph metadata
+        (`AttentionBackend.prepare_replay`). Token rows 0 .. num_tokens of the outputs, valid until the next replay."""
+        for backend, metadata in self._metadata[key]:
+            backend.prepare_replay(metadata, common)
+        t = common.num_tokens
         out = _head(self._replay[key](), t)
         if self.logits is None or key[1] in self.prefill:
             return GraphStep(out, None, None)

@@ -247,13 +247,14 @@ class ModelRunner:
 
         t0 = time.perf_counter()  # host spans are honest on GPU: each phase ends in a `.tolist()` sync
         common, sample_rows, graph_key, logits_indices = self._prepare_inputs(sched.scheduled)
-        attn_metadata = {b.name: b.build_metadata(common) for b in self.backends}
         input_ids = self.buffers.input_ids.gpu[: common.num_tokens]
         positions = self.buffers.positions.gpu[: common.num_tokens]
         graph = None
         if graph_key is not None:
-            graph = self.cuda_graphs.replay(graph_key, common.num_tokens)  # inputs already padded and copied
-        out = graph.out if graph is not None else self.forward(input_ids, positions, attn_metadata)
+            graph = self.cuda_graphs.replay(graph_key, common)  # inputs already padded and copied
+            out = graph.out
+        else:
+            out = self.forward(input_ids, positions, {b.name: b.build_metadata(common) for b in self.backends})
         hidden, aux = out if isinstance(out, tuple) else (out, None)
 
         greedy_ids = None  # [num_sample_rows] int64, argmax of logits, when the graph computed it
@@ -269,7 +270,7 @@ class ModelRunner:
         outcome = StepOutcome(
             requests=[s.request for s in scheduled], emitted=[], input_ids=input_ids, positions=positions,
             query_start_loc_cpu=common.query_start_loc_cpu, hidden_states=hidden, aux_hidden_states=aux,
-            num_rejected=[], common=common, attn_metadata=attn_metadata, greedy_ids=greedy_ids,
+            num_rejected=[], common=common, greedy_ids=greedy_ids,
         )
         if not any(s.spec_token_ids for s in scheduled):
             output = self.collect(self._launch_sampling(sched, sample_rows, logits, greedy_ids))

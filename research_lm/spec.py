@@ -40,7 +40,6 @@ class StepOutcome:
     num_rejected: list[int]  # drafts rejected per request this step (their KV slots are stale)
     # The step's batch: block tables (shared with a drafter's own KV), seq lens, slots.
     common: CommonAttentionMetadata
-    attn_metadata: dict[str, Any]  # backend name -> metadata, as the target's layers saw it
     greedy_ids: torch.Tensor | None = None  # [num_tokens] the target's argmax per row, on the device, when a
     # graph computed it: what `propose_before_verification` drafts from (its acceptance computed on the device)
 

@@ -134,7 +134,7 @@ class DraftModelProposer(Proposer):
         (`verified_inputs` go unread: a draft model's entry starts below the verified tokens, so it never drafts
         before verification)."""
         backends = [layer.backend for layer in self.cache_layers]
-        if uncapturable_reason(self.model, backends) is not None:
+        if uncapturable_reason(self.model, backends, lengths_on_device=True) is not None:
             return
         multi_token = all(b.capabilities.cuda_graphs_multi_token for b in backends)
 

@@ -400,7 +400,7 @@ class EagleProposer(Proposer):
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
         "verified" ones read the target's argmax and input ids in place where the runner hands their buffers over."""
         backends = [layer.backend for layer in self.cache_layers]
-        if uncapturable_reason(self.head, backends) is not None:
+        if uncapturable_reason(self.head, backends, lengths_on_device=True) is not None:
             return
         multi_token = all(b.capabilities.cuda_graphs_multi_token for b in backends)
         fc = self.head.fc.weight  # [H, fc input]

@@ -146,8 +146,12 @@ def test_verify_replay_pads_tokens_and_requests():
         name = "spy"
 
         @staticmethod
-        def build_metadata(common):
+        def build_graph_metadata(common):
             return common
+
+        @staticmethod
+        def prepare_replay(metadata, common):
+            pass
 
     graphs = DecodeGraphs(Spy(), buf, [SpyBackend()], sizes=[4], query_lens=[1, 3], block_size=16,
                           max_seq_len=64, capture=eager_capture)
@@ -253,8 +257,8 @@ def _generate_with_graphs(llm: LLM, prompts, params) -> _Run:
     addresses: list[dict[str, int]] = []
     sampled = 0
 
-    def recording_replay(key, num_tokens):
-        step = DecodeGraphs.replay(graphs, key, num_tokens)
+    def recording_replay(key, common):
+        step = DecodeGraphs.replay(graphs, key, common)
         seen = buffer_addresses(runner.buffers)
         if step.logits is not None:
             seen |= {"logits": step.logits.data_ptr(), "greedy_ids": step.greedy_ids.data_ptr()}
@@ -468,9 +472,9 @@ def _verify_graph_run(llm: LLM, prompts, params) -> tuple[list[list[int]], list[
     """Tokens, and the (batch size, query length) of every replay."""
     graphs, keys = llm.engine.runner.cuda_graphs, []
 
-    def recording_replay(key, num_tokens):
+    def recording_replay(key, common):
         keys.append(key)
-        return DecodeGraphs.replay(graphs, key, num_tokens)
+        return DecodeGraphs.replay(graphs, key, common)
 
     graphs.replay = recording_replay
     try:

@@ -121,7 +121,7 @@ def test_step_proposer_drafts_from_context_plus_pending_tokens():
     outcome = StepOutcome(
         requests=[a, b], emitted=[[2], []], input_ids=torch.zeros(0, dtype=torch.int64),
         positions=torch.zeros(0, dtype=torch.int64), query_start_loc_cpu=torch.zeros(3, dtype=torch.int32),
-        hidden_states=None, aux_hidden_states=None, num_rejected=[0, 0], common=None, attn_metadata={},
+        hidden_states=None, aux_hidden_states=None, num_rejected=[0, 0], common=None,
     )
     assert proposer.propose(outcome).token_ids == {"a": [3, 4], "b": []}
     proposer.on_requests_removed({"a"})
