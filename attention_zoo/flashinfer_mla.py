@@ -22,6 +22,16 @@ scheme). Plans are `causal=True`: FlashInfer aligns a request's queries with the
 (query i of q_len sees kv_len - q_len + i + 1 keys), which is what a multi-token decode request
 (draft verification, `decode_query_len > 1`) needs; with one query per request it masks nothing.
 
+CUDA graphs (decode graphs of B requests x 1 row; with `cuda_graphs_multi_token`, verify graphs of q rows per
+request and batch-1 prefill graphs of Q rows): every row of a graph is a decode row, so a request of several rows
+(drafts to verify, a prompt or its chunk) is attended causally by FlashInfer where an eager step takes the naive
+path. Each graph has its own wrappers, made with `use_cuda_graph=True` by the warm-up forward before capture (one
+per plan key, each with FlashInfer's int workspace: 8 MB on the device, 8 MB pinned), and `prepare_replay`
+re-plans them on the host from the step's lengths before every replay (`graphs_plan_on_host`: a step whose
+lengths only the device knows cannot replay them): the graph recorded the int workspace that plan() rewrites.
+Pages come straight from the block table (request i's at i * its row stride, flattened), so nothing is gathered;
+padding rows belong to padding requests (`graph_pages` says why).
+
 FlashInfer's MLA kernels are built for DeepSeek-V2/V3's latent, kv_lora_rank 512 + rope 64 (its own
 tests and docstrings use only these; the CUDA templates hard-code tilings for them): other shapes
 are refused at build time. fp16 / bf16 only. `flashinfer` is imported when the first step is
@@ -115,15 +125,69 @@ class FlashInferMLAMetadata(MLAMetadata):
         if key in self._wrappers and self.workspace.planned_by.get(key) is self:
             return self._wrappers[key]
         wrapper = self.workspace.wrapper(key, self.wrapper_backend)
+        self.plan(wrapper, key)
+        self._wrappers[key] = wrapper
+        self.workspace.planned_by[key] = self
+        return wrapper
+
+    def plan(self, wrapper: Any, key: tuple) -> None:
+        """Plan `wrapper` for the plan key's (spec, dtypes) over this metadata's CSR description."""
+        _, spec, q_dtype, kv_dtype = key
         wrapper.plan(
             qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices, kv_len_arr=self.kv_lens,
             num_heads=spec.num_heads, head_dim_ckv=spec.kv_lora_rank, head_dim_kpe=spec.qk_rope_head_dim,
             page_size=self.common.block_size, causal=True, sm_scale=spec.scale, q_data_type=q_dtype,
             kv_data_type=kv_dtype, use_profiler=False,
         )  # fmt: skip
-        self._wrappers[key] = wrapper
-        self.workspace.planned_by[key] = self
-        return wrapper
+
+
+@dataclass
+class FlashInferMLAGraphMetadata(FlashInferMLAMetadata):
+    """What a CUDA graph of B requests x q rows records: all B * q rows are decode rows, planned as S requests (S = B,
+    or B + 1 for q > 1: `graph_pages`). qo_indptr [S + 1], kv_indptr [S + 1] and kv_lens [S] are host tensors
+    refilled in place for each replay; kv_indices is the graph's block table, flattened (a view).
+
+    Its wrappers are its own, one per plan key, made and planned by the warm-up forward before capture."""
+
+    planned: torch.cuda.Event | None = None  # CUDA: fires once the last plan's host -> device copies are done
+
+    def wrapper(self, spec: MLASpec, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
+        key = (self.wrapper_backend, spec, q_dtype, kv_dtype)
+        if key not in self._wrappers:
+            # a plan copies from the host: never inside the capture (cuda_graph_capture warms up first)
+            capturing = self.kv_indices.is_cuda and torch.cuda.is_current_stream_capturing()
+            assert not capturing, "the graph's first forward must run before capture"
+            from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+            slots, device = len(self.kv_lens), self.kv_indices.device
+            self._wrappers[key] = BatchMLAPagedAttentionWrapper(
+                float_workspace_buffer=self.workspace.buffer, use_cuda_graph=True,
+                # plan() copies its inputs into these; the kernels read the plan (the wrapper's int workspace)
+                qo_indptr=torch.empty(slots + 1, dtype=torch.int32, device=device),
+                kv_indptr=torch.empty(slots + 1, dtype=torch.int32, device=device),
+                kv_indices=self.kv_indices,  # plan()'s copy of it onto itself is a no-op
+                kv_len_arr=torch.empty(slots, dtype=torch.int32, device=device), backend=self.wrapper_backend,
+            )  # fmt: skip
+            self.plan(self._wrappers[key], key)
+        return self._wrappers[key]
+
+    def plan(self, wrapper: Any, key: tuple) -> None:
+        super().plan(wrapper, key)
+        if self.planned is not None:
+            self.planned.record()
+
+    def set_step(self, common: CommonAttentionMetadata) -> None:
+        """Lay the step (n <= B requests, host mirrors) out over the graph's rows and slots, in the host tensors."""
+        if self.planned is not None:
+            # the last plan's copies must have left these tensors and the wrappers' pinned plan buffers, which
+            # this step's plan rewrites (the runner already waited for the inputs copied just before them)
+            self.planned.synchronize()
+        pages = graph_pages(
+            common.query_start_loc_cpu.numpy(), common.seq_lens_cpu.numpy(), num_rows=self.common.num_tokens,
+            num_slots=len(self.kv_lens), row_stride=self.common.block_table.stride(0),
+        )  # fmt: skip
+        for dst, src in zip((self.qo_indptr, self.kv_indptr, self.kv_lens), pages, strict=True):
+            dst.numpy()[:] = src
 
 
 def decode_pages(common: CommonAttentionMetadata, decode_reqs: list[int]) -> dict[str, torch.Tensor]:
@@ -145,6 +209,36 @@ def decode_pages(common: CommonAttentionMetadata, decode_reqs: list[int]) -> dic
         kv_indices=common.block_table[where[0], where[1]],
         kv_lens=torch.from_numpy(kv_lens.astype(np.int32)),
     )
+
+
+def graph_pages(
+    query_start_loc: np.ndarray,  # [n + 1]: the step's requests' rows
+    seq_lens: np.ndarray,  # [n]: each request's keys after this step
+    *,
+    num_rows: int,  # B * q: the graph's rows, the step's T first, then padding
+    num_slots: int,  # S >= n: the requests FlashInfer plans
+    row_stride: int,  # the block table's row stride
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # qo_indptr [S + 1], kv_indptr [S + 1], kv_lens [S], int32
+    """FlashInfer's CSR description of a graph step: the step's n requests, then S - n padding requests sharing the
+    padding rows T .. num_rows evenly, each attending causally to as many keys as it has rows.
+
+    Pages: FlashInfer's MLA kernels read request i's page j at kv_indices[kv_indptr[i] + j] (kv_indptr[i + 1] is
+    never read: include/flashinfer/attention/mla.cuh), so over the flattened block table request i starts at
+    i * row_stride, and a padding request at 0 (valid block ids; what it reads is discarded with its rows).
+
+    Why every row has a request: the plan picks the kernel's cluster size from the mean rows per request (`MLAPlan`,
+    include/flashinfer/attention/scheduler.cuh), and the graph keeps the launch grid of the capture's plan; num_rows
+    rows over S requests give every replay the capture's mean. So a q = 1 graph (S = B) gives each padding request
+    one row and one key; a q > 1 graph has one slot more (S = B + 1), for the rows a step of n = B requests leaves."""
+    n = len(seq_lens)
+    num_pad, left = num_slots - n, num_rows - int(query_start_loc[-1])
+    assert num_pad > 0 or left == 0, (n, num_slots, left)
+    pad_rows = left // max(num_pad, 1) + (np.arange(num_pad) < left % max(num_pad, 1))
+    qo_indptr = np.concatenate([query_start_loc, query_start_loc[-1] + np.cumsum(pad_rows)])
+    kv_indptr = np.zeros(num_slots + 1, dtype=np.int64)
+    kv_indptr[:n] = np.arange(n) * row_stride
+    kv_lens = np.concatenate([seq_lens, pad_rows])
+    return qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_lens.astype(np.int32)
 
 
 class FlashInferMLAImpl(MLAImpl):
@@ -180,7 +274,9 @@ class FlashInferMLABackend(MLABackendBase):
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         kinds=frozenset({"mla"}),
-        cuda_graphs=False,  # plan() runs on the host every step; the graph-safe wrapper buffers are not wired up
+        cuda_graphs=True,
+        cuda_graphs_multi_token=True,  # every graph row is a causal decode row; the plan keeps the captured grid
+        graphs_plan_on_host=True,  # FlashInfer plans from the step's lengths on the host
     )
     # device -> its workspace and wrappers: allocated on the first step on that device, reused by every
     # later step (FlashInfer wants its workspace and plan buffers long-lived, not per step).
@@ -207,6 +303,30 @@ class FlashInferMLABackend(MLABackendBase):
             **vars(base), workspace=cls.workspace(common.query_start_loc.device), wrapper_backend=wrapper_backend,
             **pages,
         )  # fmt: skip
+
+    @classmethod
+    def build_graph_metadata(cls, common: CommonAttentionMetadata) -> FlashInferMLAGraphMetadata:
+        """Every row a decode row (decode_query_len = q), over pinned host plan inputs and the block table's view."""
+        base = build_mla_metadata(common, decode_query_len=common.max_query_len)
+        slots = common.num_reqs + (common.max_query_len > 1)
+        kv_indices = common.block_table.view(-1)  # [B * row stride] int32: the step buffer itself, no copy
+        assert common.num_tokens <= kv_indices.numel() * common.block_size, "padding requests' pages must fit"
+        cuda = kv_indices.device.type == "cuda"
+        host = lambda size: torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
+        metadata = FlashInferMLAGraphMetadata(
+            **vars(base), workspace=cls.workspace(kv_indices.device), qo_indptr=host(slots + 1),
+            kv_indptr=host(slots + 1), kv_indices=kv_indices, kv_lens=host(slots),
+            planned=torch.cuda.Event() if cuda else None,
+        )  # fmt: skip
+        metadata.set_step(common)
+        return metadata
+
+    @classmethod
+    def prepare_replay(cls, metadata: FlashInferMLAGraphMetadata, common: CommonAttentionMetadata) -> None:
+        """Re-plan each of the graph's wrappers (host work, a copy into its int workspace) for this step."""
+        metadata.set_step(common)
+        for key, wrapper in metadata._wrappers.items():
+            metadata.plan(wrapper, key)
 
     @classmethod
     def make_impl(cls, spec: AttentionSpec) -> AttentionImpl:

@@ -114,6 +114,7 @@ class MambaMetadata:
     has_initial_state: torch.Tensor  # [num_reqs] bool, device: num_computed_tokens > 0
     decode_req_idx: torch.Tensor  # [num_decodes] int32, device: requests with one query token
     prefill_req_idx: torch.Tensor  # [num_prefills] int32, device: requests with more than one
+    # Host copies (the torch reference's loop); empty in a CUDA graph's metadata, which no replay could refresh.
     query_start_loc_cpu: list[int]  # [num_reqs + 1]
     has_initial_state_cpu: list[bool]  # [num_reqs]
     num_reqs: int
@@ -146,6 +147,42 @@ def build_mamba_metadata(common: CommonAttentionMetadata) -> MambaMetadata:
         num_reqs=common.num_reqs,
         max_query_len=common.max_query_len,
     )
+
+
+def build_mamba_graph_metadata(common: CommonAttentionMetadata) -> MambaMetadata:
+    """The metadata a CUDA graph of `common`'s padded shape (B requests of q tokens, over the runner's persistent
+    step buffers) records: every device tensor lives as long as the graph, and none depends on the step.
+
+    The split is fixed by q: a graph of q = 1 replays pure decodes only, so all B requests take the single-step
+    update; q > 1 (one request's prompt or chunk) sends all B through the chunked scan, which reads each request's
+    length from query_start_loc (a request of 1 token too). Padding requests (no tokens, state slot -1) are
+    skipped by the kernels. has_initial_state is a buffer of B that `refresh_graph_has_initial_state` recomputes
+    before each replay."""
+    b, q = common.num_reqs, common.max_query_len
+    every = torch.arange(b, dtype=torch.int32, device=common.query_start_loc.device)
+    metadata = MambaMetadata(
+        common=common,
+        query_start_loc=common.query_start_loc,
+        state_slots=common.request_rows,
+        has_initial_state=torch.zeros(b, dtype=torch.bool, device=every.device),
+        decode_req_idx=every if q == 1 else every[:0],
+        prefill_req_idx=every[:0] if q == 1 else every,
+        query_start_loc_cpu=[],
+        has_initial_state_cpu=[],
+        num_reqs=b,
+        max_query_len=q,
+    )
+    refresh_graph_has_initial_state(metadata)
+    return metadata
+
+
+def refresh_graph_has_initial_state(metadata: MambaMetadata) -> None:
+    """has_initial_state = num_computed_tokens > 0, in place and on the device, from the graph's own record: a
+    request's computed tokens are its seq_len less its query length (padding: 0 and 0). No host value and no
+    copy, so a step launched before the previous one is collected needs nothing from the host. Before each replay,
+    outside the graph."""
+    qsl = metadata.query_start_loc  # [B + 1]
+    torch.gt(metadata.common.seq_lens + qsl[:-1], qsl[1:], out=metadata.has_initial_state)
 
 
 class MambaImpl(ABC):

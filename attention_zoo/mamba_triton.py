@@ -5,7 +5,13 @@ states back), then the chunked SSD scan over the requests with more than one tok
 single-step state update over the decodes — a mixed batch is served by both, each on its own
 requests (`MambaMetadata.prefill_req_idx` / `decode_req_idx`, made once per step). Every launch
 size comes from host integers of the metadata: forward never syncs.
-The kernels and their launchers live in `attention_zoo/triton_kernels/mamba_{conv,ssd}.py`.
+
+CUDA graphs: decode graphs (q = 1, every request through the state update) and batch-1 prefill graphs (q > 1,
+through the scan, which reads the request's length on the device) replay; the graph's metadata is fixed at
+capture (`mamba.build_mamba_graph_metadata`) but for has_initial_state, which `prepare_replay` recomputes on the
+device from the record's seq_lens and query_start_loc (no host lengths: `graphs_plan_on_host` stays off). Padding
+requests (slot -1) touch no state. Mixed prefill + decode batches of several requests have no graph: they run
+eagerly. The kernels and their launchers live in `attention_zoo/triton_kernels/mamba_{conv,ssd}.py`.
 """
 
 from __future__ import annotations
@@ -15,7 +21,15 @@ import os
 import torch
 
 from attention_zoo.base import AttentionSpec, BackendCapabilities
-from attention_zoo.mamba import MambaBackend, MambaImpl, MambaMetadata, MambaSpec
+from attention_zoo.mamba import (
+    MambaBackend,
+    MambaImpl,
+    MambaMetadata,
+    MambaSpec,
+    build_mamba_graph_metadata,
+    refresh_graph_has_initial_state,
+)
+from attention_zoo.metadata import CommonAttentionMetadata
 from attention_zoo.registry import register_backend
 from attention_zoo.triton_kernels.mamba_conv import causal_conv1d_varlen
 from attention_zoo.triton_kernels.mamba_ssd import selective_state_update, ssd_chunk_scan
@@ -55,8 +69,17 @@ class MambaTritonBackend(MambaBackend):
         devices=frozenset({"cuda", "cpu"} if _INTERPRET else {"cuda"}),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         kinds=frozenset({"mamba"}),
-        cuda_graphs=False,  # not captured yet; nothing in forward stands in the way (no host syncs)
+        cuda_graphs=True,
+        cuda_graphs_multi_token=True,  # the scan's grid is per request; it reads each length on the device
     )
+
+    @classmethod
+    def build_graph_metadata(cls, common: CommonAttentionMetadata) -> MambaMetadata:
+        return build_mamba_graph_metadata(common)
+
+    @classmethod
+    def prepare_replay(cls, metadata: MambaMetadata, common: CommonAttentionMetadata) -> None:
+        refresh_graph_has_initial_state(metadata)  # from the buffers the graph reads, which hold this step's rows
 
     @classmethod
     def make_impl(cls, spec: AttentionSpec) -> MambaImpl:

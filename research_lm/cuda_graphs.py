@@ -94,7 +94,7 @@ def uncapturable_reason(model: torch.nn.Module, backends: Sequence[Any], lengths
         return f"attention backend(s) {eager} do not support CUDA graphs"
     host = sorted(b.name for b in backends if b.capabilities.graphs_plan_on_host)
     if lengths_on_device and host:
-        return f"attention backend(s) {host} plan each replay from lengths on the host, which only the device knows here"
+        return f"attention backend(s) {host} plan each replay from lengths on the host, which only the device knows"
     layers = sorted({type(m).__name__ for m in model.modules() if getattr(type(m), "cuda_graphs", True) is False})
     if layers:
         return f"layers {layers} do not support CUDA graphs"
@@ -342,6 +342,7 @@ class DecodeGraphs:
         buf.query_start_loc.copy_to_gpu(b + 1)
         return self.replay(key, common)
 
+    @torch.inference_mode()  # as at capture: the graph metadata's tensors are inference tensors
     def replay(self, key: tuple[int, int], common: CommonAttentionMetadata) -> GraphStep:
         """Replay the graph of `key` for the step of record `common`, over step buffers already padded to its size
         and copied (the runner's `_prepare_inputs` does both); each backend first refreshes its graph metadata

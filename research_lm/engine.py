@@ -238,10 +238,7 @@ class LLMEngine:
         poison the context, are out of reach."""
         finished, self._rejected = self._rejected, []
         try:
-            if self.async_scheduling:
-                finished += self._step_async()
-            elif self.scheduler.has_unfinished_requests():
-                finished += self._step_sync()
+            finished += self._step()
         except Exception as e:
             if self.ep is not None:  # the ranks keep one schedule: a recovery on one rank alone would split them
                 raise
@@ -249,19 +246,6 @@ class LLMEngine:
         outputs = [self._output(r) for r in finished]
         self.metrics.record_finished(outputs)
         return outputs
-
-    def _step_sync(self) -> list[Request]:
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        out = self.runner.execute(sched)
-        if self.ep is not None:  # rank 0's tokens (and drafts, by value): the ranks' schedules cannot drift apart
-            self.runner.resolve_drafts()
-            out = self.ep.from_rank0(out)
-        if self.eplb is not None:
-            self.eplb.step()
-        finished = self.scheduler.update_from_output(sched, out)
-        self.metrics.record_step(sched, out, self.scheduler.stats(), time.perf_counter() - t0)
-        return finished
 
     def _recover(self, error: Exception) -> list[Request]:
         """After a step failed: drop the step in flight, make the runner forget every request (`ModelRunner.reset`)
@@ -289,21 +273,25 @@ class LLMEngine:
             logger.warning("request %r failed and finishes with error: %s", req.request_id, req.error, exc_info=e)
             return self.make_output(req)
 
-    def _step_async(self) -> list[Request]:
-        """Launch the next step, then collect the one in flight: the host's scheduling and input preparation
-        of step N + 1 run while the device computes step N. Nothing is scheduled ahead when that could
-        preempt or needs token values (`_can_launch_ahead`): then this step only collects, and the next one
-        starts from a fully known state."""
+    def _step(self) -> list[Request]:
+        """One step protocol: launch a step (unless one is in flight), optionally launch the next, then collect.
+        With async scheduling the host's scheduling and input preparation of step N + 1 run while the device
+        computes step N; nothing is scheduled ahead when that could preempt or needs token values
+        (`_can_launch_ahead`): then this step only collects, and the next one starts from a fully known state.
+        Synchronous execution (and expert parallelism) is the same path with no look-ahead."""
         t0 = time.perf_counter()
         if self._in_flight is None:
             if not self.scheduler.has_unfinished_requests():
                 return []
             self._in_flight = self._launch()
         collecting, self._in_flight = self._in_flight, None
-        if self._can_launch_ahead(collecting):
+        if self.async_scheduling and self._can_launch_ahead(collecting):
             ahead = self._launch()
             self._in_flight = ahead if ahead.sched.scheduled else None  # an empty step ran whole in launch
         out = self.runner.collect(collecting)
+        if self.ep is not None:  # rank 0's tokens (and drafts, by value): the ranks' schedules cannot drift apart
+            self.runner.resolve_drafts()
+            out = self.ep.from_rank0(out)
         finished = self.scheduler.update_from_output(collecting.sched, out)
         self.metrics.record_step(collecting.sched, out, self.scheduler.stats(), time.perf_counter() - t0)
         return finished

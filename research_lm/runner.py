@@ -117,6 +117,8 @@ class ModelRunner:
         self.cache_layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
         self.cache_layers += list(proposer.cache_layers if proposer is not None else [])
         self.backends = list({layer.backend.name: layer.backend for layer in self.cache_layers}.values())
+        # A backend that plans each replay from the host's lengths cannot serve a step launched on guessed ones.
+        self._plans_on_host = any(b.capabilities.graphs_plan_on_host for b in self.backends)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cuda_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
@@ -307,7 +309,7 @@ class ModelRunner:
         (`propose_before_verification`) launches that drafting and returns without waiting for anything: the
         verify's argmax and input ids are on their way to the host, where `collect` verifies, and the drafting
         left each request's next inputs on the device (`ahead_inputs`). None where the step does not qualify."""
-        if not self.defer_verification or outcome.greedy_ids is None:
+        if not self.defer_verification or outcome.greedy_ids is None or self._plans_on_host:
             return None
         launch = self.proposer.propose_before_verification(outcome)
         if not launch:

@@ -19,8 +19,9 @@ Invariants (asserted by tests/test_scheduler.py):
   every running request is preempted and becomes a suspect; while there are suspects each step is one of them
   alone, until it emits a token; a suspect that fails alone finishes with "error".
 
-Async scheduling (`LLMEngine` with `async_scheduling`): the engine schedules and launches step N + 1 before
-it collects step N. `assume_launched(N)` advances N's requests as if each emitted all it can: one token, or
+One update path: every launched step N is announced with `assume_launched(N)` and folded back by
+`update_from_output(N)`; async scheduling (`LLMEngine` with `async_scheduling`) only launches step N + 1 between
+the two. `assume_launched(N)` advances N's requests as if each emitted all it can: one token, or
 with d drafts all d + 1 (every draft accepted): `num_computed_tokens` moves on and PLACEHOLDER output tokens
 stand for the tokens still on the device (the runner feeds them to step N + 1 from the device), and a request
 that verified drafts holds d PLACEHOLDER drafts for its next step (drafted on the device).
@@ -365,7 +366,10 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> list[Request]:
-        """Fold one step's results into the requests; returns the requests that finished."""
+        """Fold one step's results into the requests; returns the requests that finished. A step the engine did not
+        announce with `assume_launched` (a caller driving the scheduler by hand) is assumed here first: one path."""
+        if not scheduler_output.assumed:
+            self.assume_launched(scheduler_output)
         row = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         finished = []
         for sched in scheduler_output.scheduled:
@@ -377,10 +381,7 @@ class Scheduler:
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
             sampled = runner_output.sampled_token_ids[i]
             try:
-                if scheduler_output.assumed:
-                    self._resolve(request, sched, sampled, logprobs)
-                else:
-                    self._advance(request, sched, sampled, logprobs)
+                self._resolve(request, sched, sampled, logprobs)
                 if request.finish_reason is None:
                     self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             except Exception as e:  # e.g. detokenizing for its stop strings: its own tokens, so it alone fails
@@ -426,28 +427,10 @@ class Scheduler:
         self._finish(culprit, "error")
         return [culprit]
 
-    def _advance(
-        self,
-        request: Request,
-        sched: ScheduledRequest,
-        sampled: list[int],
-        logprobs: list[dict[int, Logprob]] | None,
-    ) -> None:
-        """Count computed tokens (rolling back rejected drafts) and append the emitted tokens up to
-        the first stop; sets `finish_reason` when the request stops."""
-        num_drafts = len(sched.spec_token_ids)
-        num_rejected = num_drafts + 1 - len(sampled) if sampled else 0
-        assert 0 <= num_rejected <= num_drafts, f"{len(sampled)} tokens for {num_drafts} drafts"
-        request.num_computed_tokens += sched.num_new_tokens - num_rejected
-        first = request.num_output_tokens
-        request.output_token_ids += sampled
-        self._emitted(request, sched, sampled, logprobs, first)
-
     def _resolve(self, request: Request, sched: ScheduledRequest, sampled: list[int],
                  logprobs: list[dict[int, Logprob]] | None) -> None:
-        """Async scheduling: write a step's collected tokens over the request's oldest placeholders (those the
-        step assumed: its drafts + 1), drop the rest with the computed count of its rejected drafts, and check
-        stops."""
+        """Write a step's collected tokens over the request's oldest placeholders (those the step assumed at launch:
+        its drafts + 1), drop the rest with the computed count of its rejected drafts, and check stops."""
         if not sampled:  # a prompt chunk that did not reach the end
             return
         assumed = len(sched.spec_token_ids) + 1

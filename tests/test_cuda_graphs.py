@@ -26,6 +26,7 @@ from research_lm.cuda_graphs import (
     gc_frozen,
     graph_metadata,
     pad_step_inputs,
+    uncapturable_reason,
     unsupported_reason,
 )
 
@@ -164,6 +165,58 @@ def test_verify_replay_pads_tokens_and_requests():
     assert seen == dict(ids=[5, 6, 7, 8, 9, 10] + [0] * 6, slots=list(range(20, 26)) + [-1] * 6,
                         qsl=[0, 2, 5, 6, 6], n=12)
     assert step.out.flatten().tolist() == [5, 6, 7, 8, 9, 10]
+
+
+def test_each_replay_first_refreshes_the_graphs_own_metadata_with_the_steps_record():
+    """The capture hooks: a graph records the metadata `build_graph_metadata` made for its padded shape, and each
+    replay hands that same object, with the step's own record (its n requests and T tokens), to `prepare_replay`
+    before the recording runs; what prepare_replay writes into it is what the recorded forward reads."""
+    buf = StepBuffers(max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=4, device=CPU)
+    calls = []
+
+    class Planned:  # a host-planned backend's record: one persistent tensor the forward reads
+        def __init__(self, b):
+            self.b, self.plan = b, torch.zeros(1)
+
+    class PlanningBackend:
+        name = "planning"
+
+        @staticmethod
+        def build_graph_metadata(common):
+            return Planned(common.num_reqs)
+
+        @staticmethod
+        def prepare_replay(metadata, common):
+            calls.append((metadata.b, common.num_reqs, common.num_tokens))
+            metadata.plan.fill_(common.num_tokens)  # in place: the recording keeps the tensor
+
+    class ReadsPlan(torch.nn.Module):
+        def forward(self, input_ids, positions, attn_metadata):
+            return input_ids.float()[:, None] + attn_metadata["planning"].plan
+
+    graphs = DecodeGraphs(ReadsPlan(), buf, [PlanningBackend()], sizes=[2, 4], block_size=16, max_seq_len=64,
+                          capture=eager_capture)
+    buf.input_ids.np[:3] = [5, 6, 7]
+    buf.query_start_loc.np[:4] = [0, 1, 2, 3]
+    common = graph_metadata(buf, 3, 16, 64)
+    step = graphs.run(common)
+    assert calls == [(4, 3, 3)]  # the (4, 1) graph's metadata, planned for the step's 3 requests
+    assert step.out.flatten().tolist() == [8.0, 9.0, 10.0]
+
+
+def test_host_planned_backends_stay_out_of_graphs_whose_lengths_only_the_device_knows():
+    from dataclasses import replace
+
+    from attention_zoo.registry import get_backend
+
+    class HostPlanned:
+        name = "host_planned"
+        capabilities = replace(get_backend("triton").capabilities, graphs_plan_on_host=True)
+
+    model = torch.nn.Linear(2, 2)
+    assert uncapturable_reason(model, [HostPlanned]) is None  # the target's graphs: the host knows the lengths
+    assert "host_planned" in uncapturable_reason(model, [HostPlanned], lengths_on_device=True)  # a draft chain
+    assert uncapturable_reason(model, [get_backend("triton")], lengths_on_device=True) is None
 
 
 def test_unsupported_reason():

@@ -4,7 +4,8 @@ Two launches: `_causal_conv1d_kernel` computes silu(bias + sum_k w[k] x[t - K + 
 reading the inputs before the chunk from the request's conv state (zeros for a new request); then
 `_conv_state_update_kernel` stores the last K - 1 inputs of (old state, chunk) back into the slot.
 The split is what lets the first kernel run all (request, token tile, channel tile) programs at once
-without racing the state it reads.
+without racing the state it reads. A request of state slot -1 (a CUDA graph's padding, or its capture's batch)
+reads and writes no state.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def _causal_conv1d_kernel(
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_ok = t < n
     c_ok = c < conv_dim
-    slot = tl.load(state_slots_ptr + req).to(tl.int64)
+    slot = tl.load(state_slots_ptr + req).to(tl.int64)  # -1: a CUDA graph's padding request, no state
     # NOTE: conditions enter masks as integer bounds, not as scalar booleans: the interpreter rejects
     # a block mask and-ed with a scalar bool. Inputs from the state: src in [first_src, 0).
-    first_src = -(KERNEL - 1) * tl.load(has_initial_ptr + req).to(tl.int32)
+    first_src = -(KERNEL - 1) * (tl.load(has_initial_ptr + req).to(tl.int32) * (slot >= 0).to(tl.int32))
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
@@ -89,7 +90,7 @@ def _conv_state_update_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     slot = tl.load(state_slots_ptr + req).to(tl.int64)
     first_src = -(KERNEL - 1) * tl.load(has_initial_ptr + req).to(tl.int32)  # as in _causal_conv1d_kernel
-    num_rows = tl.where(n > 0, KERNEL - 1, 0)  # an empty chunk leaves the state alone
+    num_rows = tl.where((n > 0) & (slot >= 0), KERNEL - 1, 0)  # an empty chunk or slot -1 leaves every state alone
     # Row j takes input src = n - K + 1 + j of (old state, chunk): old row j + n if src < 0. In place:
     # the barrier keeps every thread's store after every thread's load (rows can sit in different warps).
     j = tl.arange(0, KM1_PAD)
@@ -112,7 +113,7 @@ def causal_conv1d_varlen(
     conv_state: torch.Tensor,  # [num_slots, kernel - 1, conv_dim], updated in place
     out: torch.Tensor,  # [>= num_tokens, conv_dim]: silu(conv(x)) for every token of the batch
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
-    state_slots: torch.Tensor,  # [num_reqs] int32
+    state_slots: torch.Tensor,  # [num_reqs] int32; -1 (graph padding): the request reads and writes no state
     has_initial_state: torch.Tensor,  # [num_reqs] bool
     *,
     num_reqs: int,

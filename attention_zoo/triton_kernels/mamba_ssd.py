@@ -11,7 +11,8 @@ in chunks of BLOCK_L with the state in registers. With cum_l = sum_{i <= l} dt_i
     h_out   = exp(cum_L) h_in + sum_s exp(cum_L - cum_s) dt_s x_s B_s^T
 four `tl.dot`s per chunk. Chunks run one after another (the state is the carried dependency); the
 parallelism is requests x heads x head_dim tiles, as in the recurrent form but with matmul-sized
-work per step. `_selective_state_update_kernel` is the one-token case without the matmuls.
+work per step. `_selective_state_update_kernel` is the one-token case without the matmuls. Both skip the state
+of a request of slot -1 or no tokens (a CUDA graph's padding), and the decode kernel its output row too.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def _ssd_chunk_scan_kernel(
     b_col = NUM_HEADS * HEAD_DIM + g * STATE + s
     c_col = b_col + (NUM_HEADS // HEADS_PER_GROUP) * STATE
     state_ptrs = ssm_state_ptr + slot * stride_s_slot + h * stride_s_head + p[:, None] * stride_s_p + s[None, :]
-    state_mask = p_ok[:, None] & s_ok[None, :]
-    # A new request starts from zero, whatever its slot holds. NOTE: an integer bound, not a scalar bool
-    # and-ed into the mask, which the interpreter rejects.
-    p_init = HEAD_DIM * tl.load(has_initial_ptr + req).to(tl.int32)
+    # A new request starts from zero, whatever its slot holds; a CUDA graph's padding requests (no tokens, slot -1)
+    # read and write no state. NOTE: integer bounds, not scalar bools and-ed into the masks, which the interpreter
+    # rejects.
+    p_live = HEAD_DIM * ((n > 0) & (slot >= 0)).to(tl.int32)
+    p_init = p_live * tl.load(has_initial_ptr + req).to(tl.int32)
     state = tl.load(state_ptrs, mask=(p < p_init)[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
     pos = tl.arange(0, BLOCK_L)
     causal = pos[:, None] >= pos[None, :]
@@ -104,7 +106,7 @@ def _ssd_chunk_scan_kernel(
         total = tl.sum(a, axis=0)
         w = tl.exp(total - cum) * dt  # 0 on padding rows
         state = state * tl.exp(total) + tl.dot(tl.trans(x * w[:, None]), B, input_precision=DOT_PRECISION)
-    tl.store(state_ptrs, state.to(ssm_state_ptr.dtype.element_ty), mask=state_mask)  # served requests have n > 1
+    tl.store(state_ptrs, state.to(ssm_state_ptr.dtype.element_ty), mask=(p < p_live)[:, None] & s_ok[None, :])
 
 
 @triton.jit
@@ -138,6 +140,7 @@ def _selective_state_update_kernel(
     req = tl.load(req_idx_ptr + tl.program_id(0))
     h = tl.program_id(1)
     row = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    n = tl.load(query_start_loc_ptr + req + 1) - row  # 1, or 0 for a CUDA graph's padding request (slot -1)
     slot = tl.load(state_slots_ptr + req).to(tl.int64)
     A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     D = tl.load(D_ptr + h).to(tl.float32)
@@ -149,10 +152,10 @@ def _selective_state_update_kernel(
     b_col = NUM_HEADS * HEAD_DIM + g * STATE + s
     c_col = b_col + (NUM_HEADS // HEADS_PER_GROUP) * STATE
     state_ptrs = ssm_state_ptr + slot * stride_s_slot + h * stride_s_head + p[:, None] * stride_s_p + s[None, :]
-    state_mask = p_ok[:, None] & s_ok[None, :]
-    # A new request starts from zero, whatever its slot holds. NOTE: an integer bound, not a scalar bool
-    # and-ed into the mask, which the interpreter rejects.
-    p_init = HEAD_DIM * tl.load(has_initial_ptr + req).to(tl.int32)
+    # As in _ssd_chunk_scan_kernel: zero state for a new request, none read or written for padding (its token row
+    # is a padding row of the graph's buffers, read but not written).
+    p_live = HEAD_DIM * ((n > 0) & (slot >= 0)).to(tl.int32)
+    p_init = p_live * tl.load(has_initial_ptr + req).to(tl.int32)
     state = tl.load(state_ptrs, mask=(p < p_init)[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * stride_dt + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
     dt = _softplus_clamped(dt, dt_min, dt_max)
@@ -161,8 +164,8 @@ def _selective_state_update_kernel(
     C = tl.load(xbc_ptr + row * stride_xbc + c_col, mask=s_ok, other=0.0).to(tl.float32)
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
     y = tl.sum(state * C[None, :], axis=1) + D * x
-    tl.store(y_ptr + row * stride_y + h * HEAD_DIM + p, y.to(y_ptr.dtype.element_ty), mask=p_ok)
-    tl.store(state_ptrs, state.to(ssm_state_ptr.dtype.element_ty), mask=state_mask)
+    tl.store(y_ptr + row * stride_y + h * HEAD_DIM + p, y.to(y_ptr.dtype.element_ty), mask=p < p_live)
+    tl.store(state_ptrs, state.to(ssm_state_ptr.dtype.element_ty), mask=(p < p_live)[:, None] & s_ok[None, :])
 
 
 def _check_ssm_args(xbc, dt, A_log, D, dt_bias, y, ssm_state, n_groups):
@@ -184,7 +187,7 @@ def ssd_chunk_scan(
     y: torch.Tensor,  # [>= num_tokens, num_heads * head_dim]: written for the served requests' tokens
     ssm_state: torch.Tensor,  # [num_slots, num_heads, head_dim, state], updated in place
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
-    state_slots: torch.Tensor,  # [num_reqs] int32
+    state_slots: torch.Tensor,  # [num_reqs] int32; -1 (graph padding, no tokens): no state read or written
     has_initial_state: torch.Tensor,  # [num_reqs] bool
     req_idx: torch.Tensor,  # [num_served] int32: indices into the batch's requests
     *,
@@ -220,7 +223,7 @@ def selective_state_update(
     y: torch.Tensor,  # [>= num_tokens, num_heads * head_dim]
     ssm_state: torch.Tensor,  # [num_slots, num_heads, head_dim, state], updated in place
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
-    state_slots: torch.Tensor,  # [num_reqs] int32
+    state_slots: torch.Tensor,  # [num_reqs] int32; -1 (graph padding, no tokens): no state read or written
     has_initial_state: torch.Tensor,  # [num_reqs] bool
     req_idx: torch.Tensor,  # [num_decodes] int32: requests with exactly one token this step
     *,

@@ -52,13 +52,13 @@ def test_rebalancing_moves_weights_not_tokens(name, tiny_checkpoint):
 def test_step_loads_count_tokens_times_top_k(tiny_checkpoint, tmp_path):
     llm = _llm(tiny_checkpoint("qwen3-moe"), {**EPLB, "record_trace": str(tmp_path / "t.npz")})
     tokens_per_step = []
-    execute = llm.engine.runner.execute
+    launch = llm.engine.runner.launch
 
-    def counting_execute(sched):
+    def counting_launch(sched):
         tokens_per_step.append(sum(s.num_new_tokens for s in sched.scheduled))
-        return execute(sched)
+        return launch(sched)
 
-    llm.engine.runner.execute = counting_execute
+    llm.engine.runner.launch = counting_launch
     _generate(llm)
     ctrl = llm.engine.eplb
     top_k = llm.engine.hf_config.num_experts_per_tok

@@ -231,16 +231,16 @@ def test_resolved_drafts_reach_the_next_step_as_values(tiny_checkpoint, tmp_path
     checkpoint = tiny_checkpoint("llama")
     eager, llm = _pair(str(checkpoint), _spec("eagle3", tmp_path, checkpoint), "cpu", eager_capture)
     runner, holes, drafts = llm.engine.runner, [], []
-    fill_holes, execute = runner._fill_holes, runner.execute
+    fill_holes, collect = runner._fill_holes, runner.collect
     runner._fill_holes = lambda ids, rows, *rest: holes.append(len(rows)) or fill_holes(ids, rows, *rest)
 
-    def execute_and_resolve(sched):
-        out = execute(sched)
+    def collect_and_resolve(step):
+        out = collect(step)
         runner.resolve_drafts()
-        drafts.extend(t for d in out.draft_token_ids.values() for t in d)
+        drafts.extend(t for d in (out.draft_token_ids or {}).values() for t in d)
         return out
 
-    runner.execute = execute_and_resolve
+    runner.collect = collect_and_resolve
     got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), _greedy(), use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in eager.generate(_prompts(), _greedy(), use_tqdm=False)]
     assert drafts and min(drafts) >= 0 and not holes
