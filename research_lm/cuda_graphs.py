@@ -57,7 +57,7 @@ import torch
 from attention_zoo import CommonAttentionMetadata
 from research_lm.buffers import StepBuffers
 
-Outputs = Any  # the model's forward result: a tensor, or (tensor, [tensors]) with aux hidden states
+Outputs = Any  # what a captured function returns: the model's hidden states [T, hidden], or nothing
 # fn -> replay: runs fn once to warm up, records it, and returns a callable that re-runs the recording.
 Capture = Callable[[Callable[[], Outputs], Any], Callable[[], Outputs]]
 
@@ -209,15 +209,9 @@ def eager_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]
 class GraphStep:
     """What a replay leaves for the runner: views of token rows 0 .. num_tokens, valid until the next replay."""
 
-    out: Outputs  # the forward's result: hidden [num_tokens, hidden] (and aux hidden states)
+    out: torch.Tensor  # the forward's hidden states [num_tokens, hidden] (taps: the runner's HiddenStateTaps)
     logits: torch.Tensor | None  # [num_tokens, vocab] fp32, one row per token; None: not captured
     greedy_ids: torch.Tensor | None  # [num_tokens] int64, logits.argmax(-1); None: not captured
-
-
-def _head(out: Outputs, n: int) -> Outputs:
-    if isinstance(out, torch.Tensor):
-        return out[:n]
-    return type(out)(_head(x, n) for x in out)
 
 
 class DecodeGraphs:
@@ -296,9 +290,8 @@ class DecodeGraphs:
         def step() -> Outputs:
             out = model(input_ids, positions, metadata)
             if logits_too:
-                hidden = out[0] if isinstance(out, tuple) else out  # [t, hidden]
                 logits = self.logits[:t]
-                logits.copy_(self.compute_logits(hidden))  # the buffer: every graph writes it
+                logits.copy_(self.compute_logits(out))  # out: [t, hidden]  # the buffer: every graph writes it
                 torch.argmax(logits, dim=-1, out=self.greedy_ids[:t])
             return out
 
@@ -350,7 +343,7 @@ class DecodeGraphs:
         for backend, metadata in self._metadata[key]:
             backend.prepare_replay(metadata, common)
         t = common.num_tokens
-        out = _head(self._replay[key](), t)
+        out = self._replay[key]()[:t]
         if self.logits is None or key[1] in self.prefill:
             return GraphStep(out, None, None)
         return GraphStep(out, self.logits[:t], self.greedy_ids[:t])

@@ -51,6 +51,7 @@ from research_lm.rng import to_device
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from research_lm.spec import Proposal, Proposer, StepOutcome
 from research_lm.step_inputs import prepare_step_inputs
+from research_lm.taps import HiddenStateTaps
 from research_lm.uniform_inputs import UniformInputs, uniform_graph_key
 from research_lm.verification import verify_drafts
 
@@ -151,8 +152,10 @@ class ModelRunner:
         self._ahead: DeviceTokens | None = None  # the last deferred step's next inputs, while it is the latest
         self._latest: PendingStep | None = None  # the last launched step
         self._host_inputs = HostIds(max_num_batched_tokens, device)  # a deferred step's input ids, to the host
+        # The residual streams the proposer reads (EAGLE-3), recorded by hooks: the model knows nothing of them.
+        self.taps = None
         if proposer is not None and proposer.aux_hidden_state_layers:
-            model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
+            self.taps = HiddenStateTaps(model, proposer.aux_hidden_state_layers, max_num_batched_tokens)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def page_size_bytes(self, dtype: torch.dtype) -> int:
@@ -257,7 +260,8 @@ class ModelRunner:
             out = graph.out
         else:
             out = self.forward(input_ids, positions, {b.name: b.build_metadata(common) for b in self.backends})
-        hidden, aux = out if isinstance(out, tuple) else (out, None)
+        hidden = out
+        aux = self.taps.values(common.num_tokens) if self.taps is not None else None
 
         greedy_ids = None  # [num_sample_rows] int64, argmax of logits, when the graph computed it
         if graph is not None and graph.logits is not None and logits_indices is None:

@@ -72,8 +72,7 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, ids: list[int] | torch.Tensor, positions: torch.Tensor, md: dict[str, Any]) -> torch.Tensor:
         ids = torch.as_tensor(ids, dtype=torch.int64, device=positions.device)
-        out = self.model(ids, positions, md)
-        return out[0] if isinstance(out, tuple) else out  # [T, H]
+        return self.model(ids, positions, md)  # [T, H]
 
     def _entry(self, outcome: StepOutcome, batch_rows: list[int], starts: list[int], lens: list[int],
                tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,8 +105,7 @@ class PagedBatch:
         return out
 
     def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:  # per sequence [len(chunk_i), vocab] fp32
-        out = self.forward(chunks)
-        hidden = out[0] if isinstance(out, tuple) else out
+        hidden = self.forward(chunks)
         with torch.no_grad():
             logits = self.model.compute_logits(hidden)
         return list(logits.split([len(c) for c in chunks]))

@@ -117,8 +117,6 @@ class BambaForCausalLM(CausalLMShell):
         attn_metadata: dict[str, Any],
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if self.aux_hidden_state_layers:
-            raise ValueError("BambaForCausalLM does not expose aux hidden states (EAGLE-3 taps)")
         return self.model(input_ids, positions, attn_metadata, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -36,9 +36,6 @@ class ModelBuildContext:
 class CausalLM(Protocol):
     """The surface the runner and the proposers use; every registered model provides it."""
 
-    # Residual-stream taps for EAGLE-3. Non-empty: `forward` returns (hidden, [stream entering layer i
-    # for i in aux_hidden_state_layers]); i == num_layers taps the stream before the final norm.
-    aux_hidden_state_layers: tuple[int, ...]
     embed_tokens: nn.Module
     lm_head: nn.Module
 
@@ -47,7 +44,7 @@ class CausalLM(Protocol):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         attn_metadata: dict[str, Any],  # backend name -> that backend's metadata for this step
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]: ...  # [num_tokens, hidden], final norm applied
+    ) -> torch.Tensor: ...  # [num_tokens, hidden], final norm applied (taps: research_lm/taps.py)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, hidden] -> [n, vocab] fp32
 

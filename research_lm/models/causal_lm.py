@@ -25,8 +25,6 @@ class CausalLMShell(nn.Module):
     def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
         super().__init__()
         self.config = hf_config
-        # Residual-stream taps for EAGLE-3 (see base.CausalLM); families without them refuse in forward.
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         with build_scope(build):
             setattr(self, self.backbone_attr, self.make_backbone(hf_config, build))

@@ -232,7 +232,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
 
 
 class DeepseekModel(LlamaModel):
-    """Llama's forward (embed, layers, final norm, EAGLE-3 taps) over DeepSeek decoder layers."""
+    """Llama's forward (embed, layers, final norm) over DeepSeek decoder layers."""
 
     def __init__(self, hf_config: PretrainedConfig, rope_interleave: bool, build: ModelBuildContext):
         nn.Module.__init__(self)

@@ -171,23 +171,15 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         attn_metadata: dict[str, Any],
-        aux_layers: tuple[int, ...] = (),
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]; replaces the lookup
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         rope = self.rotary_emb(positions)
-        taps: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                taps[i] = hidden if residual is None else hidden + residual
+        for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, attn_metadata)
-        if len(self.layers) in aux_layers:
-            taps[len(self.layers)] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
-        if not aux_layers:
-            return hidden
-        return hidden, [taps[i] for i in aux_layers]
+        return hidden
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
@@ -208,8 +200,8 @@ class LlamaForCausalLM(CausalLMShell):
         positions: torch.Tensor,  # [num_tokens] int64
         attn_metadata: dict[str, Any],
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:  # [num_tokens, hidden_size] (, aux)
-        return self.model(input_ids, positions, attn_metadata, self.aux_hidden_state_layers, inputs_embeds)
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        return self.model(input_ids, positions, attn_metadata, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def skip(name: str) -> bool:

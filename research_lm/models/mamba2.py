@@ -214,8 +214,6 @@ class Mamba2ForCausalLM(CausalLMShell):
         attn_metadata: dict[str, Any],
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if self.aux_hidden_state_layers:
-            raise ValueError("Mamba2ForCausalLM does not expose aux hidden states (EAGLE-3 taps)")
         return self.backbone(input_ids, attn_metadata, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -11,6 +11,7 @@ import torch
 
 from attention_zoo import Attention
 from research_lm.models import load_model
+from research_lm.taps import HiddenStateTaps
 from tests.conftest import SLIDING_WINDOW
 from tests.utils import PagedBatch, forward_prefill, greedy_decode
 
@@ -98,8 +99,10 @@ def test_aux_hidden_states_are_the_residual_stream_entering_each_layer(tiny_chec
     model = _load(tiny_checkpoint, name)
     tokens = _tokens(13, 30)
     plain = PagedBatch(model, [len(tokens)], block_size=4).forward([tokens])
-    model.aux_hidden_state_layers = (2, 0, 3)
-    hidden, aux = PagedBatch(model, [len(tokens)], block_size=4).forward([tokens])
+    taps = HiddenStateTaps(model, (2, 0, 3), max_num_tokens=64)  # hooks installed from outside the model
+    hidden = PagedBatch(model, [len(tokens)], block_size=4).forward([tokens])
+    aux = taps.values(len(tokens))
+    taps.remove()
     torch.testing.assert_close(hidden, plain, atol=0, rtol=0)
     with torch.no_grad():
         ref = hf_model(name)(torch.tensor([tokens]), output_hidden_states=True).hidden_states
@@ -113,7 +116,6 @@ def test_interface_the_runner_relies_on(tiny_checkpoint):
     model = _load(tiny_checkpoint, "llama-tied")
     assert model.get_input_embeddings() is model.embed_tokens
     assert model.lm_head.weight is model.embed_tokens.weight  # tied: one tensor
-    assert model.aux_hidden_state_layers == ()
     batch = PagedBatch(model, [5], block_size=4)
     hidden = batch.forward([[1, 2, 3, 4, 5]])
     assert hidden.shape == (5, 64)

@@ -232,7 +232,7 @@ def test_eagle3_default_aux_layers_follow_vllm(tiny_checkpoint, tmp_path):
     head = write_eagle3(tmp_path / "eagle3", eagle3_tensors(7, range(V)))
     llm, _ = _run(target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
     assert llm.engine.runner.proposer.aux_hidden_state_layers == (2, 1, 0)
-    assert llm.engine.model.aux_hidden_state_layers == (2, 1, 0)
+    assert llm.engine.runner.taps.layers == (2, 1, 0)
     with pytest.raises(ValueError, match="must be distinct and in"):
         LLM(str(tiny_checkpoint("llama")), **KNOBS,
             speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
