@@ -160,9 +160,9 @@ def render(result: dict) -> str:
     names = [t["name"] for t in result["trees"]]
     old, new = names[0], names[-1]
     trees = " vs ".join(f"{t['name']} = {t['commit'] or t['path']}" for t in result["trees"])
-    lines = [f"# A/B of two commits: {trees}",
-             "", f"Device: {result['device']}; torch {result['torch']}; {result['date']}; {result['repeats']} "
-             "repeats (spec cells: " + str(result["spec_repeats"]) + "), trees alternating within each. Command: `" + result["command"] + "`.", "",
+    about = (f"Device: {result['device']}; torch {result['torch']}; {result['date']}; {result['repeats']} repeats "
+             f"(spec cells: {result['spec_repeats']}), trees alternating within each. Command: `{result['command']}`.")
+    lines = [f"# A/B of two commits: {trees}", "", about, "",
              f"| case | unit | {' | '.join(names)} | {new} / {old} | notes |", "|---|---|" + "---|" * (len(names) + 2)]
     for case in result["cases"]:
         cells, meds = [], {}
