@@ -216,11 +216,16 @@ def main() -> None:
                        **run_case(Path(t["path"]), case, args.timeout)}
                 print(json.dumps(run), flush=True)
                 result["runs"].append(run)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    table = render(result)
-    (args.out / f"{args.name}.md").write_text(table)
+                table = write(result, args.out, args.name)  # after every run: a call cut short keeps what ran
     print(table)
+
+
+def write(result: dict, out: Path, name: str) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    table = render(result)
+    (out / f"{name}.md").write_text(table)
+    return table
 
 
 if __name__ == "__main__":
