@@ -11,10 +11,10 @@ hits both alike. Every case goes through the public API (`LLM`, `SamplingParams`
 - throughput: the same model, bench_throughput's nano-vllm workload (256 random prompts, input and output lengths
   uniform in [100, 1024], greedy, ignore_eos), output tok/s over the whole batch;
 - spec_<method>_b<batch>: the built-in tiny-llama and its shipped EAGLE-3 head (or ngram), k = 5, greedy, code
-  prompts from the corpus, 128 output tokens, max_num_seqs = the batch (fewer graphs to capture): output tok/s
-  with speculation over output tok/s without, both built in the subprocess (the speedup), with tau. The GPU
-  reference target of spec_ablation_h200 needs ~8.5 min of training on a fresh machine; the tiny pair ships with
-  the package, so both commits can run it. `--spec-repeats` (default 1: each cell already times 2 runs).
+  prompts from the corpus, 384 output tokens (`--spec-tokens`), max_num_seqs = the batch (fewer graphs to
+  capture): output tok/s with speculation over output tok/s without, both built in the subprocess (the
+  speedup), with tau. The GPU reference target of spec_ablation_h200 needs ~8.5 min of training on a fresh
+  machine; the tiny pair ships with the package, so both commits can run it. `--spec-repeats` (default 1).
 The old tree's commit is read from a COMMIT file at its root (write it beside the archive), else from git.
 Prints a table last (each cell: median over repeats, new / old ratio) and writes <out>/<name>.{md,json}.
 """
@@ -100,7 +100,7 @@ def measure_spec(method: str, batch: int) -> dict:
     target = str(assets / "tiny-llama")
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[: 2 * batch]
     prompts = [f.read_text(errors="ignore")[:1500] for f in files][:batch]
-    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=int(os.environ.get("AB_SPEC_TOKENS", "384")), ignore_eos=True)
     spec = {"method": method, "num_speculative_tokens": 5}
     if method == "eagle3":
         spec["model"] = str(assets / "tiny-llama-eagle3")
@@ -190,6 +190,7 @@ def main() -> None:
     ap.add_argument("--case", action="append", default=None, choices=cases())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spec-repeats", type=int, default=1)
+    ap.add_argument("--spec-tokens", type=int, default=384, help="output tokens per request of the spec cells")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per (tree, case) subprocess")
     ap.add_argument("--out", type=Path, default=HERE.parent / "results")
     ap.add_argument("--name", default="ab_commits")
@@ -199,6 +200,7 @@ def main() -> None:
         return
     import torch
 
+    os.environ["AB_SPEC_TOKENS"] = str(args.spec_tokens)  # read by the measuring subprocesses
     trees = [dict(zip(("name", "path"), spec.split("=", 1), strict=True)) for spec in args.tree]
     for t in trees:
         t["commit"] = git_commit(Path(t["path"])) or os.environ.get(f"AB_COMMIT_{t['name'].upper()}", "")
