@@ -52,6 +52,9 @@
 # tests/engine tests/ops tests/attention_zoo` at 1c767a0 (passed), the triton-attention and graph GPU tests at f29c7d9
 # (split-KV: empty splits idle). Not yet run on a GPU: issue 28's stages 1-2 (b44db70, da81c16: the generic registry,
 # proposers found through the entry point, the Proposer base class and DraftTarget): run `tests` first next session.
+# Session 21 (one H200) ran `tests` at acb4f9a (101 passed: every GPU backend now replays from graphs, FlashInfer
+# included), test_draft_graphs + test_spec_greedy_identity at d81e102 (hidden-state taps by hooks),
+# attention_ablation_h200, mla_h200, mamba_h200 and experiments/ab_commits.py against 27437bc.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
