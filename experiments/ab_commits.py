@@ -1,7 +1,10 @@
 """A/B of two source trees of research_lm (an old and a new commit) in one process tree, on one GPU.
 
-    git archive <old> | (mkdir -p .ab/old && tar -x -C .ab/old)          # here: the old tree beside this one
-    python experiments/ab_commits.py --tree old=.ab/old --tree new=. --repeats 3   # on the GPU
+    python experiments/ab_commits.py --old 27437bc                     # the old commit against this tree
+    python experiments/ab_commits.py --tree old=.ab/old --tree new=.ab/new   # or any two trees (old first)
+
+`--old COMMIT` unpacks `git archive COMMIT` into .ab/<COMMIT> (with a COMMIT file: the GPU machine's copy of a
+checkout may have no .git; unpack it here and carry .ab/ there) and compares it with this tree.
 
 Each (repeat, tree, case) runs in a fresh subprocess whose PYTHONPATH starts with that tree, so `import research_lm`
 is that commit's code; the trees alternate within each repeat (old, new, old, new, ...) so that drift of the machine
@@ -183,10 +186,24 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def archived(commit: str) -> Path:
+    """.ab/<commit>: `git archive` of the commit, unpacked beside this checkout (once), with its COMMIT file."""
+    tree = HERE.parent.parent / ".ab" / commit
+    if not (tree / "COMMIT").is_file():
+        repo = HERE.parent.parent
+        full = subprocess.run(["git", "rev-parse", commit], cwd=repo, capture_output=True, text=True, check=True)
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", commit], cwd=repo, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        (tree / "COMMIT").write_text(full.stdout.strip() + "\n")
+    return tree
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one case, in the tree under test
     ap.add_argument("--tree", action="append", default=[], help="name=path, old first (repeat)")
+    ap.add_argument("--old", help="a commit: compared, as `old`, with this tree (`new`); replaces --tree")
     ap.add_argument("--case", action="append", default=None, choices=cases())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spec-repeats", type=int, default=1)
@@ -194,7 +211,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per (tree, case) subprocess")
     ap.add_argument("--out", type=Path, default=HERE.parent / "results")
     ap.add_argument("--name", default="ab_commits")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.old:
+        args.tree = [f"old={archived(args.old)}", f"new={HERE.parent.parent}"]
     if args.measure:
         print(json.dumps(measure(args.measure)), flush=True)
         return
@@ -208,7 +227,7 @@ def main() -> None:
               "spec_repeats": args.spec_repeats, "runs": [],
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": "python experiments/ab_commits.py " + " ".join(sys.argv[1:])}
+              "command": "python experiments/ab_commits.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     for r in range(args.repeats):
         for case in result["cases"]:
             if case.startswith("spec_") and r >= args.spec_repeats:

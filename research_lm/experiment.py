@@ -33,7 +33,7 @@ from research_lm.workloads import WorkloadSpec, build_workload
 # Tasks registered here, and by modules imported when first asked for (their import registers them).
 TASKS: Registry[Callable[..., dict[str, Any]]] = Registry("task", {
     name: "research_lm.train.tasks"
-    for name in ("train_target", "train_eagle3", "train_eagle", "train_medusa", "train_draft")})
+    for name in ("train_target", "train_eagle3", "train_eagle", "train_medusa", "train_draft", "train_moe")})
 register_task = TASKS.register
 
 

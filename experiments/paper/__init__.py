@@ -112,6 +112,23 @@ TABLES: dict[str, Table] = {
         smoke=("--tiny", "--device", "cpu", "--dtype", "float32", "--num-requests", "2", "--decode-tokens", "4",
                "--workload-runs", "1"),
     ),
+    "ab_issue28_stage3_h200": Table(
+        what="A/B of issue 28's stage 3 (every backend under graphs, one step path, taps by hooks) against the "
+             "session's start (27437bc, `git archive`): batch-1 decode ms/token and nano-vllm tok/s, public API",
+        device="cuda", measured_on="NVIDIA H200", minutes="~4 min (2 repeats)",
+        bench="ab_commits", args=("--old", "27437bc", "--case", "decode_b1", "--case", "throughput"),
+    ),
+    "ab_issue28_stage3_spec_h200": Table(
+        what="the same A/B on EAGLE-3 / ngram speedups of the shipped tiny pair (k = 5, greedy) at batch 1 and 32",
+        device="cuda", measured_on="NVIDIA H200", minutes="~3 min (2 repeats)",
+        bench="ab_commits", args=("--old", "27437bc", "--case", "spec_eagle3_b1", "--case", "spec_eagle3_b32",
+                                  "--case", "spec_ngram_b1", "--case", "spec_ngram_b32", "--spec-repeats", "2"),
+    ),
+    "moe_routing_skew": Table(
+        what="routing skew and code-vs-prose drift of small Qwen3-MoE / Qwen2-MoE (shared expert) models trained here "
+             "vs random init; rewrites research_lm/assets/moe_traces",
+        device="cpu", measured_on="CPU (2 cores)", minutes="~25 min", bench="moe_routing_skew",
+    ),
     "bench_attention": Table(
         what="paged attention kernels (decode GB/s, prefill TFLOP/s): triton vs FlashInfer (`.[flashinfer]`) vs "
              "torch_ref vs dense SDPA over batch x context",
@@ -146,6 +163,12 @@ TABLES: dict[str, Table] = {
     "eplb_policy": Table(
         what="EPLB policies at DeepSeek-V3 scale: compute ms per rebalance, in-sample and replay balancedness",
         device="cpu", measured_on="CPU (2 cores)", minutes="~25–50 s", bench="bench_eplb_policy",
+    ),
+    "eplb_ablation": Table(
+        what="EPLB at DeepSeek-V3 scale (synthetic drift / mix / switch traces; the trained MoEs' traces with `-- "
+             "--trace-dir research_lm/assets/moe_traces`): every policy's balancedness (vLLM's per-layer stats), "
+             "simulated step, migration, compute ms, slots used; sync vs chunked moves",
+        device="cpu", measured_on="CPU (2 cores)", minutes="~4 min", bench="bench_eplb_ablation",
     ),
     "eplb_ablation_cpu": Table(
         what="eplb_ablation preset: every EPLB policy replayed on a drifting Zipf trace and on a trace recorded "

@@ -12,9 +12,14 @@ The same counters, split into `num_ep_ranks` virtual ranks (slots [r * P/R, (r +
 give the simulated EP metrics of `research_lm.eplb.metrics` with the replicas' actual token counts.
 
 After step t (1-based) with t % step_interval == 0, while fewer than `max_rebalances` rebalances
-happened, the policy places experts from the windowed logical load and every layer moves its weights
-in place. Windowing and the schedule are `research_lm.eplb.replay`'s, so replaying a recorded trace
-with the same settings reproduces the engine's placements.
+happened, the policy places experts from the windowed logical load (or its bucketed history, for a policy
+with `history_buckets`) and the layers move their weights in place: all at once (the step waits for the whole
+move), or, with `rebalance_layers_per_chunk` = c, c layers after each of the following steps (chunk k after
+step t + k + 1; a rebalance due earlier first finishes the move). Windowing, the schedule and the dispatch rule
+are `research_lm.eplb.replay`'s, so replaying a recorded trace with the same settings reproduces the engine's
+placements. The summary carries vLLM's metrics: balancedness per layer and per step (min / p50 / p90 / avg),
+rearrangements with their policy and move times, experts and bytes moved and the transfer time they imply at
+`nvlink_gbps` / `ib_gbps` over `num_nodes` (research_lm.eplb.metrics.migration), and the slots used.
 
 With real EP (layers built with an `ep_group`) every rank must call `step()` once per engine step, and all
 ranks compute the same placement and move weights together. Layer EP (each rank its own tokens): the
@@ -34,8 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from research_lm.eplb.load import ExpertLoadWindow, physical_to_logical
-from research_lm.eplb.metrics import rank_load
-from research_lm.eplb.registry import get_policy
+from research_lm.eplb.metrics import CostModel, migration, rank_load, slots_used, spread_stats
+from research_lm.eplb.registry import get_policy, policy_traits
 from research_lm.eplb.settings import EplbSettings
 from research_lm.eplb.trace import TraceRecorder
 from research_lm.moe.layer import FusedMoE, MoeGate
@@ -85,6 +90,7 @@ class EplbController:
                      "step_interval": settings.step_interval, "window_size": settings.window_size,
                      "num_physical_experts": self.num_slots}
         self.policy = get_policy(settings.policy)
+        self.traits = policy_traits(self.policy)
         num_layers = len(layers)
         device = first.expert_load.device
         # One [L, P] counter; each layer's `expert_load` becomes a view of its row.
@@ -103,10 +109,17 @@ class EplbController:
         self._rank_total = torch.zeros(settings.num_ep_ranks, dtype=torch.float64, device=device)
         self._step_est: list[torch.Tensor] = []  # 0-d per step: Σ_layers max rank load
         self._step_ideal: list[torch.Tensor] = []  # 0-d per step: Σ_layers mean rank load
+        self._step_layer: list[torch.Tensor] = []  # [L] per step: mean / max rank load of each layer
         self.rebalance_steps: list[int] = []
         self.policy_ms: list[float] = []
-        self.move_ms: list[float] = []
+        self.move_ms: list[float] = []  # per rebalance: wall time of all its moves (its chunks summed)
         self.moved_slots: list[int] = []
+        self.moves: list[dict[str, float]] = []  # per rebalance: Migration.summary at the settings' bandwidths
+        self.stall_ms: dict[int, float] = {}  # step -> wall ms that step waited for weights
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # placement being moved
+        self._next_layer = 0  # layers [0, _next_layer) of the pending placement are in place
+        slot_bytes = first.slot_bytes()
+        self.cost = CostModel(expert_bytes=slot_bytes, nvlink_gbps=settings.nvlink_gbps, ib_gbps=settings.ib_gbps)
 
     @property
     def num_rebalances(self) -> int:
@@ -134,33 +147,57 @@ class EplbController:
         self._rank_total += ranks.sum(0)
         self._step_est.append(peak.sum())
         self._step_ideal.append(mean.sum())
+        self._step_layer.append(torch.where(peak > 0, mean / peak.clamp_min(1e-300), 1.0))
         self.num_steps += 1
+        if self._pending is not None:  # a chunked move: the next chunk, behind this step
+            self._move(self.settings.rebalance_layers_per_chunk)
         if self._rebalance_due():
             self.rebalance()
 
     @torch.no_grad()
     def rebalance(self) -> None:
-        """Place experts from the windowed logical load and move every layer's weights in place."""
+        """Place experts from the windowed logical load (or history) and move the layers' weights in place:
+        every layer now, or, with `rebalance_layers_per_chunk`, chunk by chunk after the next steps."""
         s = self.settings
+        if self._pending is not None:  # the previous move finishes first
+            self._move(len(self.layers))
         t0 = time.perf_counter()
-        load = self.window.windowed()  # [L, E]
+        buckets = self.traits.history_buckets
+        load = self.window.history(buckets) if buckets else self.window.windowed()  # [B, L, E] or [L, E]
         group = self.layers[0].ep_group
         if group is not None and self.layers[0].ep_replicated_tokens:  # engine EP: one load for all ranks
             dist.broadcast(load, group=group, group_src=0)
         elif group is not None:  # layer EP: every rank places experts from the load of all ranks' tokens
             dist.all_reduce(load, group=group)
         load = load.cpu()  # the one host sync, every step_interval steps
-        phy2log, log2phy, logcnt = self.policy(load, self.num_slots, self.num_groups, s.num_nodes, s.num_ep_ranks)
-        t1 = time.perf_counter()
-        moved = sum(layer.apply_placement(phy2log[i], log2phy[i], logcnt[i]) for i, layer in enumerate(self.layers))
-        self.phy2log.copy_(phy2log)
+        placement = self.policy(load, self.num_slots, self.num_groups, s.num_nodes, s.num_ep_ranks)
+        self.policy_ms.append((time.perf_counter() - t0) * 1e3)
+        self.rebalance_steps.append(self.num_steps - 1)  # replay's convention: the step after which it ran
+        move = migration(self.phy2log.cpu(), placement[0], s.num_ep_ranks, s.num_nodes)
+        self.moves.append(move.summary(self.cost))
+        self.moved_slots.append(int(move.moved_slots.sum()))
+        self.move_ms.append(0.0)
+        self._pending, self._next_layer = placement, 0
+        if s.rebalance_layers_per_chunk is None:
+            self._move(len(self.layers))
+
+    def _move(self, num_layers: int) -> None:
+        """Moves the next `num_layers` layers of the pending placement; the wall time is this step's stall."""
+        phy2log, log2phy, logcnt = self._pending
+        t0 = time.perf_counter()
+        stop = min(self._next_layer + num_layers, len(self.layers))
+        for i in range(self._next_layer, stop):
+            self.layers[i].apply_placement(phy2log[i], log2phy[i], logcnt[i])
+            self.phy2log[i].copy_(phy2log[i])
         if self.counts.device.type == "cuda":
             torch.cuda.synchronize(self.counts.device)
-        t2 = time.perf_counter()
-        self.rebalance_steps.append(self.num_steps - 1)  # replay's convention: the step after which it ran
-        self.policy_ms.append((t1 - t0) * 1e3)
-        self.move_ms.append((t2 - t1) * 1e3)
-        self.moved_slots.append(moved)
+        ms = (time.perf_counter() - t0) * 1e3
+        self._next_layer = stop
+        step = self.num_steps - 1
+        self.stall_ms[step] = self.stall_ms.get(step, 0.0) + ms
+        self.move_ms[-1] += ms
+        if stop == len(self.layers):
+            self._pending = None
 
     def save_trace(self, path: str | None = None) -> str | None:
         """Writes the recorded per-step logical load (research_lm.eplb.trace format); returns the path."""
@@ -190,6 +227,11 @@ class EplbController:
                                 torch.ones_like(layer_peak))
         total_est, total_ideal = float(est.sum()), float(ideal.sum())
         slot_bytes = self.layers[0].slot_bytes()
+        cells = torch.stack(self._step_layer).cpu() if self._step_layer else torch.ones(0)
+        n = max(self.num_rebalances, 1)
+        moves = {f"{key}_per_rebalance": sum(m[key] for m in self.moves) / n
+                 for key in ("experts_moved", "experts_moved_nvlink", "experts_moved_ib", "bytes_moved",
+                             "transfer_ms")}
         return {
             "policy": s.policy,
             "num_moe_layers": len(self.layers),
@@ -203,15 +245,28 @@ class EplbController:
             "balancedness_mean": float(per_step.mean()) if len(per_step) else 1.0,
             "balancedness_min": float(per_step.min()) if len(per_step) else 1.0,
             "balancedness_min_layer": float(per_layer.min()),
+            **spread_stats(per_layer, "balancedness_layer"),  # per layer, over the run (Σ mean / Σ max)
+            **spread_stats(per_step, "balancedness_step"),  # per step, over layers (Σ mean / Σ max)
+            **spread_stats(cells, "balancedness_step_layer"),  # every (step, layer)
             "est_step_time": total_est,  # Σ_steps Σ_layers max rank load (tokens)
             "ideal_step_time": total_ideal,  # Σ_steps Σ_layers mean rank load
             "rank_load": self._rank_total.cpu().tolist(),  # tokens per rank, all layers and steps
             "max_replicas": max(int((layer.log2phy_cpu >= 0).sum(-1).max()) for layer in self.layers),
-            "num_rebalances": self.num_rebalances,
+            "num_rebalances": self.num_rebalances,  # vLLM's rearrangements
             "rebalance_ms_median": _median(self.policy_ms),  # policy compute
-            "weight_move_ms_median": _median(self.move_ms),
+            "rebalance_ms": [round(v, 3) for v in self.policy_ms],
+            "weight_move_ms_median": _median(self.move_ms),  # measured, all chunks of a rebalance
+            "weight_move_ms": [round(v, 3) for v in self.move_ms],
+            "stall_ms_max": max(self.stall_ms.values(), default=0.0),  # the longest a step waited for weights
+            "rebalance_layers_per_chunk": s.rebalance_layers_per_chunk,
+            "dispatch": self.layers[0].dispatch,
             "moved_slots_total": sum(self.moved_slots),
-            "moved_bytes_total": sum(self.moved_slots) * slot_bytes,
+            "moved_bytes_total": sum(self.moved_slots) * slot_bytes,  # every rewritten slot, local copies included
+            "expert_bytes": slot_bytes,
+            **moves,  # over the interconnect; transfer_ms implied at nvlink_gbps / ib_gbps
+            "nvlink_gbps": s.nvlink_gbps,
+            "ib_gbps": s.ib_gbps,
+            "slots_used": float(slots_used(self.phy2log.cpu(), s.num_ep_ranks).double().mean()),
             "trace_path": trace_path,
         }
 

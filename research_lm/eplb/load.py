@@ -40,9 +40,30 @@ class ExpertLoadWindow:
         """[num_layers, num_physical] load summed over the steps in the window (unfilled rows are 0)."""
         return self.buffer.sum(0)
 
+    def history(self, num_buckets: int) -> torch.Tensor:
+        """[B, num_layers, num_physical]: the steps in the window, oldest first, summed into B = min(num_buckets,
+        steps) contiguous buckets (`bucket_history`); a policy with `history_buckets` gets this."""
+        n = self.num_steps
+        start = self.num_recorded - n  # the oldest step still in the window
+        rows = (torch.arange(start, start + n, device=self.buffer.device) % self.window) if n else None
+        steps = self.buffer[rows] if n else self.buffer[:1]  # no step yet: one bucket of zeros
+        return bucket_history(steps, num_buckets)
+
     def reset(self) -> None:
         self.buffer.zero_()
         self.num_recorded = 0
+
+
+def bucket_history(steps: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """[T, ...] per-step load -> [B, ...], B = min(num_buckets, T): contiguous runs of steps summed, oldest first
+    (run lengths differ by at most one). Buckets average out per-step noise and bound what a rebalance sends."""
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    num_steps = steps.shape[0]
+    buckets = min(num_buckets, num_steps)
+    bucket_of_step = torch.arange(num_steps, device=steps.device) * buckets // num_steps  # [T]
+    out = steps.new_zeros(buckets, *steps.shape[1:])
+    return out.index_add_(0, bucket_of_step, steps)
 
 
 def physical_to_logical(physical_load: torch.Tensor, phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:

@@ -13,11 +13,24 @@ A policy maps a load estimate to an expert placement, with the conventions of de
 
 Outputs are CPU tensors; the caller moves them to its device. Policies live one per module and
 register here with `@register_policy("name")`.
+
+Traits: what a policy asks of its caller beyond the contract, declared where it registers and read through
+`policy_traits` by the replay (`research_lm.eplb.replay`) and the engine's controller (`research_lm.eplb.controller`).
+A plain callable (a custom policy handed to `replay`) has the defaults, so the contract above is all it needs.
+
+    @register_policy("deepseek_vec", history_buckets=16)   # weight may be [B, L, E]: the window's load history,
+                                                           # B <= 16 contiguous bucket sums, oldest first
+    @register_policy("lplb", dispatch="least_loaded")      # tokens pick the least-loaded replica per batch
+                                                           # (research_lm.eplb.dispatch), not round robin
+
+A policy with history_buckets > 0 still accepts a 2-D weight (one bucket).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +40,10 @@ from attention_zoo.registries import Registry
 PolicyOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Policy = Callable[[torch.Tensor, int, int, int, int], PolicyOutput]
 
+# How tokens of an expert with several replicas pick one: `round_robin` (token index modulo the replica count;
+# simulated as an even split) or `least_loaded` (per batch, to the least-loaded replica's rank).
+DISPATCH_RULES = ("round_robin", "least_loaded")
+
 # name -> module that defines it; importing the module runs its @register_policy decorator.
 POLICIES: Registry[Policy] = Registry("EPLB policy", {
     "none": "research_lm.eplb.identity",
@@ -34,8 +51,51 @@ POLICIES: Registry[Policy] = Registry("EPLB policy", {
     "deepseek_swap": "research_lm.eplb.swap",
     "lpt": "research_lm.eplb.lpt",
     "snake": "research_lm.eplb.snake",
+    "deepseek_vec": "research_lm.eplb.deepseek_vec",
+    "budgeted": "research_lm.eplb.budgeted",
+    "lplb": "research_lm.eplb.lplb",
 })
-register_policy = POLICIES.register
+
+
+@dataclass(frozen=True)
+class PolicyTraits:
+    history_buckets: int = 0  # > 0: give the policy the window's history [B <= history_buckets, L, E]
+    dispatch: str = "round_robin"  # one of DISPATCH_RULES
+
+    def __post_init__(self) -> None:
+        if int(self.history_buckets) != self.history_buckets or self.history_buckets < 0:
+            raise ValueError(f"history_buckets must be a non-negative integer, got {self.history_buckets!r}")
+        if self.dispatch not in DISPATCH_RULES:
+            raise ValueError(f"unknown dispatch rule {self.dispatch!r}; choose one of {list(DISPATCH_RULES)}")
+
+
+def register_policy(
+    name: str, *, history_buckets: int = 0, dispatch: str = "round_robin"
+) -> Callable[[Policy], Policy]:
+    """A decorator: registers the policy under `name` with its traits (stored as its `traits` attribute)."""
+    traits = PolicyTraits(history_buckets, dispatch)
+
+    def wrap(fn: Policy) -> Policy:
+        fn.traits = traits
+        return POLICIES.register(name)(fn)
+
+    return wrap
+
+
+def configured_policy(name: str, **options) -> Policy:
+    """The registered policy `name` with keyword options bound (e.g. `budgeted`'s slot_budget), keeping its name
+    and traits, for `replay` or a benchmark."""
+    fn = get_policy(name)
+    bound = functools.partial(fn, **options)
+    bound.__name__ = name
+    bound.traits = policy_traits(fn)
+    return bound
+
+
+def policy_traits(policy: Policy) -> PolicyTraits:
+    """The traits a policy registered with; the defaults for any other callable."""
+    traits = getattr(policy, "traits", None)
+    return traits if isinstance(traits, PolicyTraits) else PolicyTraits()
 
 
 def available_policies() -> list[str]:
@@ -77,3 +137,19 @@ def check_policy_args(
     if not np.isfinite(weight).all() or (weight < 0).any():
         raise ValueError("weight (expert load) must be finite and >= 0")
     return weight
+
+
+def check_history_args(
+    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> np.ndarray:
+    """`check_policy_args` for a policy that takes history: weight [L, E] or [B, L, E]; returns float64 [B, L, E]."""
+    weight = torch.as_tensor(weight)
+    if weight.dim() == 3:
+        if weight.shape[0] < 1:
+            raise ValueError(f"a load history [B, L, E] needs B >= 1, got shape {tuple(weight.shape)}")
+        history = weight.detach().to("cpu", torch.float64).numpy()
+        if not np.isfinite(history).all() or (history < 0).any():
+            raise ValueError("weight (expert load) must be finite and >= 0")
+        check_policy_args(weight.sum(0), num_replicas, num_groups, num_nodes, num_gpus)
+        return history
+    return check_policy_args(weight, num_replicas, num_groups, num_nodes, num_gpus)[None]

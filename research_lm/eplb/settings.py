@@ -12,8 +12,10 @@ from research_lm.checks import checked
 _KINDS = {
     "policy": "str", "step_interval": "count", "window_size": "posint", "max_rebalances": "count?",
     "num_ep_ranks": "posint", "num_nodes": "posint", "num_redundant_experts": "count", "record_trace": "path?",
-    "expert_parallel": "bool",
+    "expert_parallel": "bool", "dispatch": "str", "rebalance_layers_per_chunk": "posint?", "nvlink_gbps": "number",
+    "ib_gbps": "number",
 }
+DISPATCH_CHOICES = ("policy", "round_robin", "least_loaded")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class EplbSettings:
     record_trace: str | None = None  # write the per-step logical load to this .npz (research_lm.eplb.trace)
     # Real EP over the torchrun processes (research_lm.distributed): num_ep_ranks must equal WORLD_SIZE.
     expert_parallel: bool = False
+    dispatch: str = "policy"  # how tokens pick among replicas: the policy's rule, round_robin or least_loaded
+    rebalance_layers_per_chunk: int | None = None  # None: move every layer at once; c: c layers a step after
+    nvlink_gbps: float = 450.0  # GB/s per GPU inside a node, for the implied transfer time of a rebalance
+    ib_gbps: float = 50.0  # GB/s per GPU across nodes
 
     def __post_init__(self) -> None:
         """Every value checked (numpy ints become ints) when the settings are made, before any model is built:
@@ -42,6 +48,19 @@ class EplbSettings:
             raise ValueError(f"unknown EPLB policy {self.policy!r}; choose one of {available_policies()}")
         if self.num_ep_ranks % self.num_nodes:
             raise ValueError(f"eplb.num_ep_ranks ({self.num_ep_ranks}) must divide by num_nodes ({self.num_nodes})")
+        if self.dispatch not in DISPATCH_CHOICES:
+            raise ValueError(f"unknown eplb.dispatch {self.dispatch!r}; choose one of {list(DISPATCH_CHOICES)}")
+        for name in ("nvlink_gbps", "ib_gbps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"eplb.{name} must be > 0, got {getattr(self, name)!r}")
+
+    def dispatch_rule(self) -> str:
+        """The dispatch the MoE layers use: `dispatch`, or the policy's own (its registry traits) for "policy"."""
+        if self.dispatch != "policy":
+            return self.dispatch
+        from research_lm.eplb.registry import get_policy, policy_traits
+
+        return policy_traits(get_policy(self.policy)).dispatch
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | None) -> EplbSettings:

@@ -107,6 +107,20 @@ def dispatch_combine_replicated(
     return torch.cat(pieces)[:num_tokens]
 
 
+def global_expert_counts(
+    local: torch.Tensor,  # [E] int64 this rank's (token, expert) pairs per expert
+    group: dist.ProcessGroup | None,
+    replicated_tokens: bool,
+) -> torch.Tensor:  # [E] the pairs of every rank's tokens
+    """What least-loaded dispatch balances: layer EP all-reduces the counts (one [E] all-reduce per layer); engine
+    EP and a single process already count every token."""
+    if group is None or replicated_tokens:
+        return local
+    total = local.clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
 def transfer_plan(
     old_phy2log: torch.Tensor,  # [P] CPU
     old_log2phy: torch.Tensor,  # [E, R] CPU, -1 padded

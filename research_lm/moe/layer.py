@@ -13,10 +13,13 @@ renames=((".shared_experts.", ".shared_expert."),))`; tests/moe/test_moe_layer.p
 against transformers' DeepseekV2Moe / DeepseekV3MoE.
 
 Placement. `FusedMoE` holds P = E + num_redundant_experts physical slots; slot s holds a copy of logical
-expert phy2log[s], and logical expert e has logcnt[e] replicas at log2phy[e, :logcnt[e]]. A token routed
-to e uses replica t % logcnt[e] (t = its index in the batch): deterministic round-robin. A rebalance
-(`apply_placement`) copies weights between slots in place and rewrites the maps; since replicas are
-exact copies and each (token, expert) pair is computed on its own row, outputs do not change.
+expert phy2log[s], and logical expert e has logcnt[e] replicas at log2phy[e, :logcnt[e]]. Which replica a
+token routed to e uses is the EPLB dispatch rule (`eplb.dispatch`, or the policy's): `round_robin`, replica
+t % logcnt[e] (t = its index in the batch), or `least_loaded`, the batch's tokens of e split among its
+replicas' ranks so as to balance the ranks (research_lm.eplb.dispatch; with layer EP the per-expert counts
+are all-reduced first, `ep.global_expert_counts`). A rebalance (`apply_placement`) copies weights between
+slots in place and rewrites the maps; since replicas are exact copies and each (token, expert) pair is
+computed on its own row, outputs do not change.
 
 Load. With `record_load` on, every forward adds the tokens routed to each slot into `expert_load`
 [P] int64 on the device (a scatter-add: no host sync); the EPLB controller reads and zeroes it.
@@ -32,10 +35,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from research_lm.eplb import get_policy
+from research_lm.eplb.dispatch import least_loaded
 from research_lm.models.base import default_weight_loader, set_weight_loader
 from research_lm.models.layers import GatedMLP, Linear
 from research_lm.moe.config import MoeOptions
-from research_lm.moe.ep import dispatch_combine, dispatch_combine_replicated, move_expert_weights, transfer_plan
+from research_lm.moe.ep import (
+    dispatch_combine,
+    dispatch_combine_replicated,
+    global_expert_counts,
+    move_expert_weights,
+    transfer_plan,
+)
 from research_lm.moe.experts import fused_experts
 from research_lm.moe.router import RouterConfig, route
 
@@ -95,6 +105,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"eplb.num_ep_ranks ({options.eplb.num_ep_ranks}) must equal the expert-parallel "
                              f"group size ({self.ep_size})")
         self.num_local_slots = self.num_slots // self.ep_size
+        self.num_ep_ranks = options.eplb.num_ep_ranks  # real (= ep_size) or simulated: what dispatch balances
+        self.dispatch = options.eplb.dispatch_rule()
         self.slot_offset = self.ep_rank * self.num_local_slots
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local_slots, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_local_slots, hidden_size, intermediate_size))
@@ -174,9 +186,29 @@ class FusedMoE(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------------
     def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:  # [T, k] logical -> [T, k] slots
+        if self.dispatch == "least_loaded":
+            return self._least_loaded_slots(topk_ids)
         token = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
         replica = token % self.logcnt[topk_ids]
         return self.log2phy[topk_ids, replica]
+
+    def _least_loaded_slots(self, topk_ids: torch.Tensor) -> torch.Tensor:  # [T, k] logical -> [T, k] slots
+        """The batch's (token, expert) pairs of expert e, in batch order, fill e's replicas one after the other,
+        each replica taking its share of the least-loaded split of the global counts (scaled to this rank's
+        pairs in layer EP). Every rank of engine EP computes the same slots from the same tokens."""
+        flat = topk_ids.flatten()  # [n]
+        local = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        counts = global_expert_counts(local, self.ep_group, self.ep_replicated_tokens)  # [E]
+        _, alloc = least_loaded(counts[None, None], self.log2phy[None], self.num_ep_ranks,
+                                self.num_slots // self.num_ep_ranks, return_alloc=True)
+        share = alloc[0, 0] / counts.clamp_min(1)[:, None].to(alloc.dtype)  # [E, m] fraction per replica
+        bounds = (share.cumsum(-1) * local[:, None]).round().to(torch.int64)  # [E, m] end of each replica's run
+        order = flat.argsort(stable=True)
+        start = local.cumsum(0) - local  # first sorted position of each expert
+        position = torch.empty_like(flat)
+        position[order] = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]
+        replica = torch.minimum((position[:, None] >= bounds[flat]).sum(-1), self.logcnt[flat] - 1)
+        return self.log2phy[flat, replica].view_as(topk_ids)
 
     def forward(
         self,

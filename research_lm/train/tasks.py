@@ -1,7 +1,8 @@
-"""The Hydra tasks: `task: train_target | train_eagle3 | train_eagle | train_medusa | train_draft`.
+"""The Hydra tasks: `task: train_target | train_moe | train_eagle3 | train_eagle | train_medusa | train_draft`.
 
 Each reads the `train:` block of its preset (conf/experiment/train_*.yaml): the `TrainConfig` knobs,
-plus `tokenizer` / `model` (train_target, train_draft's `model`), `target` and `head` (the heads).
+plus `tokenizer` / `model` (train_target, train_moe with `architecture` and `init_dir`, train_draft's `model`),
+`target` and `head` (the heads).
 Writes results.json and env.json to the run directory and prints the summary table.
 """
 
@@ -19,11 +20,13 @@ from research_lm.experiment import print_table, register_task
 from research_lm.train.artifacts import TrainResult
 from research_lm.train.config import TrainConfig
 from research_lm.train.heads import TASKS, train_head
+from research_lm.train.moe import train_moe
 from research_lm.train.target import train_target
 
 HEAD_TASKS = {task: method for method, task in TASKS.items()}
 _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"seed", "device"}
-_TASK_KEYS = {"train_target": {"tokenizer", "model"}, **{t: {"target", "head", "regenerate"} for t in HEAD_TASKS}}
+_TASK_KEYS = {"train_target": {"tokenizer", "model"}, "train_moe": {"tokenizer", "model", "architecture", "init_dir"},
+              **{t: {"target", "head", "regenerate"} for t in HEAD_TASKS}}
 
 
 def _train_block(cfg: DictConfig) -> dict[str, Any]:
@@ -61,6 +64,16 @@ def run_train_target(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
     block, tc = _train_block(cfg), train_config(cfg)
     result = train_target(tc, tokenizer=block.get("tokenizer") or "tiny-llama", model=block.get("model"),
                           logger=logger)
+    return _finish(cfg, run_dir, result, str(tc.resolve_device()))
+
+
+@register_task("train_moe")
+def run_train_moe(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
+    """Train a small Qwen3-MoE / Qwen2-MoE with its load-balancing loss; the output is a Hugging Face checkpoint."""
+    block, tc = _train_block(cfg), train_config(cfg)
+    result = train_moe(tc, architecture=block.get("architecture") or "Qwen3MoeForCausalLM",
+                       tokenizer=block.get("tokenizer") or "tiny-llama", model=block.get("model"),
+                       init_dir=block.get("init_dir"), logger=logger)
     return _finish(cfg, run_dir, result, str(tc.resolve_device()))
 
 

@@ -119,6 +119,10 @@ BAD_EPLB = {
     "num_redundant_experts": [2.0, -1],
     "record_trace": [5, True],
     "expert_parallel": ["false", 1, None],
+    "dispatch": [1, None],
+    "rebalance_layers_per_chunk": [0, "2"],
+    "nvlink_gbps": ["450", True],
+    "ib_gbps": [float("nan"), -1.0],
 }
 
 

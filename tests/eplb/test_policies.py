@@ -239,3 +239,71 @@ def test_register_a_custom_policy():
             registry.register_policy("test_reverse")(lambda *a: None)
     finally:
         registry.POLICIES.entries.pop("test_reverse")
+
+
+def test_policies_declare_their_traits():
+    from research_lm.eplb.registry import PolicyTraits, policy_traits
+
+    assert policy_traits(get_policy("deepseek")) == PolicyTraits()  # summed load, round-robin dispatch
+    assert policy_traits(get_policy("deepseek_vec")).history_buckets == 16
+    assert policy_traits(get_policy("lplb")).dispatch == "least_loaded"
+    assert policy_traits(lambda *a: None) == PolicyTraits()  # any callable: the contract alone
+    with pytest.raises(ValueError, match=r"unknown dispatch rule 'fastest'; choose one of \['round_robin'"):
+        PolicyTraits(dispatch="fastest")
+
+
+def test_lplb_places_like_deepseek():
+    out, ds = get_policy("lplb")(README_WEIGHT, 16, 4, 2, 8), rebalance_experts(README_WEIGHT, 16, 4, 2, 8)
+    assert all(torch.equal(a, b) for a, b in zip(out, ds))
+
+
+def test_deepseek_vec_on_one_bucket_replicates_like_deepseek_global():
+    weight = random_load(3, 4, 64, "zipf")
+    vec = get_policy("deepseek_vec")(weight, 80, 1, 1, 8)
+    assert torch.equal(vec[2], get_policy("lpt")(weight, 80, 1, 1, 8)[2])  # replica counts: D'Hondt on the sum
+
+
+def test_deepseek_vec_balances_each_bucket_not_the_sum():
+    """Experts 0 and 2 are hot in bucket 0, 1 and 3 in bucket 1: every sum is equal, so packing by the sum pairs
+    0 with 2 (each bucket then has one GPU with 20 and one with 0); the history pairs each hot expert with a
+    cold one (10 and 10 in both buckets)."""
+    history = torch.tensor([[[10.0, 0.0, 10.0, 0.0]], [[0.0, 10.0, 0.0, 10.0]]])  # [B=2, L=1, E=4]
+    by_sum = get_policy("lpt")(history.sum(0), 4, 1, 1, 2)
+    vec = get_policy("deepseek_vec")(history, 4, 1, 1, 2)
+    for out, expected in ((by_sum, 20.0), (vec, 10.0)):
+        per_bucket = [simulate_ep(history[b], out[0], out[2], 2).rank_load.amax() for b in range(2)]
+        assert [float(x) for x in per_bucket] == [expected, expected]
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        get_policy("deepseek_vec")(-history, 4, 1, 1, 2)
+
+
+def test_budgeted_keeps_replicas_where_they_pay():
+    """Layer 0 is uniform (replicas buy nothing), layer 1 has one hot expert: the budget goes to layer 1, and a
+    GPU's unused slots hold copies of an expert it already has (counted once by slots_used)."""
+    from research_lm.eplb.metrics import slots_used
+
+    weight = torch.tensor([[10.0] * 8, [80.0] + [10.0] * 7])
+    phy2log, _, logcnt = get_policy("budgeted")(weight, 12, 1, 1, 4, slot_budget=0.5)  # 4 of 8 redundant slots
+    used = slots_used(phy2log, 4)
+    assert used[0] == 8 and 8 < used[1] <= 8 + 4  # layer 1: as many as lower its max (3: 40 = 4 would too)
+    assert simulate_ep(weight[1:], phy2log[1:], logcnt[1:], 4).rank_load.amax() == 40.0
+    for gpu in range(4):  # layer 0: each GPU holds 2 experts, the third slot copies one of them
+        slots = phy2log[0, 3 * gpu:3 * gpu + 3].tolist()
+        assert len(set(slots)) == 2
+    none = get_policy("budgeted")(weight, 12, 1, 1, 4, slot_budget=0.0)
+    assert slots_used(none[0], 4).tolist() == [8, 8]
+    with pytest.raises(ValueError, match=r"slot_budget must lie in \[0, 1\]"):
+        get_policy("budgeted")(weight, 12, 1, 1, 4, slot_budget=1.5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), num_gpus=st.sampled_from([2, 4, 8]), family=st.sampled_from(["zipf", "exp"]))
+def test_budgeted_with_every_slot_never_trails_deepseek_global(seed, num_gpus, family):
+    """At slot_budget 1 the knapsack may take DeepSeek's global replication in every layer, so its Σ max GPU load
+    is at most lpt's (the same replication and packing), usually with fewer slots."""
+    weight = random_load(seed, 3, 32, family) + 1.0  # positive loads: packing ties cannot differ
+    num_replicas = -(-(32 + 8) // num_gpus) * num_gpus
+    ours = get_policy("budgeted")(weight, num_replicas, 1, 1, num_gpus, slot_budget=1.0)
+    lpt = get_policy("lpt")(weight, num_replicas, 1, 1, num_gpus)
+    step = [simulate_ep(weight, out[0], out[2], num_gpus).est_step_time for out in (ours, lpt)]
+    assert step[0] <= step[1] * (1 + 1e-9)

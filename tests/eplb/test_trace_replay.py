@@ -97,3 +97,73 @@ def test_eplb_configs_name_a_registered_policy(path):
     assert set(cfg) >= {"policy", "step_interval", "window_size", "num_ep_ranks", "num_nodes",
                         "num_redundant_experts"}
     assert cfg["policy"] in available_policies()
+
+
+def test_replay_reports_vllms_metrics():
+    from research_lm.eplb.metrics import CostModel
+
+    trace = zipf_trace(30, 3, 32, alpha=1.2, drift=0.05, num_tokens=1024, seed=0)
+    summary = replay(trace, "deepseek", 40, 1, 2, 8, step_interval=10, window_size=10, cost=CostModel()).summary()
+    for key in ("balancedness_layer_min", "balancedness_layer_p50", "balancedness_layer_p90", "balancedness_layer_avg",
+                "balancedness_step_min", "balancedness_step_p90", "num_rebalances", "rebalance_ms_median",
+                "experts_moved_per_rebalance", "experts_moved_ib_per_rebalance", "bytes_moved_per_rebalance",
+                "transfer_ms_per_rebalance", "slots_used", "step_ms", "ideal_step_ms", "stall_ms_total"):
+        assert key in summary, key
+    assert summary["balancedness_layer_min"] <= summary["balancedness_layer_p50"] <= summary["balancedness_layer_p90"]
+    assert summary["bytes_moved_per_rebalance"] == summary["experts_moved_per_rebalance"] * CostModel().expert_bytes
+    assert summary["step_ms"] > summary["ideal_step_ms"] > 0 and summary["slots_used"] <= 40
+
+
+def test_replay_least_loaded_dispatch_never_trails_round_robin():
+    trace = zipf_trace(40, 3, 32, alpha=1.2, drift=0.05, num_tokens=2048, seed=2)
+    rr = replay(trace, "deepseek", 40, 1, 1, 8, step_interval=10, window_size=10)
+    ll = replay(trace, "lplb", 40, 1, 1, 8, step_interval=10, window_size=10)
+    assert ll.dispatch == "least_loaded" and rr.dispatch == "round_robin"
+    assert rr.rebalance_steps == ll.rebalance_steps and rr.moved_slots == ll.moved_slots  # the same placements
+    assert (ll.est_step_time <= rr.est_step_time + 1e-9).all() and ll.est_step_time.sum() < rr.est_step_time.sum()
+    forced = replay(trace, "deepseek", 40, 1, 1, 8, step_interval=10, window_size=10, dispatch="least_loaded")
+    assert torch.equal(forced.est_step_time, ll.est_step_time)
+    with pytest.raises(ValueError, match="unknown dispatch rule"):
+        replay(trace, "deepseek", 40, 1, 1, 8, step_interval=10, window_size=10, dispatch="random")
+
+
+def test_replay_stalls_sync_for_the_whole_move_and_chunked_only_for_what_does_not_fit():
+    from research_lm.eplb.metrics import CostModel
+
+    trace = zipf_trace(40, 4, 32, alpha=1.2, drift=0.05, num_tokens=2048, seed=3)
+    cost = CostModel(expert_tflops=1.0)  # slow experts: a long forward hides a chunk's transfer
+    sync = replay(trace, "deepseek", 40, 1, 2, 8, step_interval=20, window_size=20, cost=cost)
+    move_s = sync.moves[0]["transfer_ms"] / 1e3
+    assert sync.stall_s.nonzero().flatten().tolist() == [20] and float(sync.stall_s[20]) == pytest.approx(move_s)
+    chunked = replay(trace, "deepseek", 40, 1, 2, 8, step_interval=20, window_size=20, cost=cost, layers_per_chunk=1)
+    assert float(chunked.stall_s.sum()) == 0.0  # every layer's transfer fits behind one forward
+    # layer l switches after step 20 + l: until then it serves the old (identity) placement
+    old = replay(trace, "none", 40, 1, 2, 8, step_interval=0, window_size=20)
+    for layer in range(4):
+        before, after = slice(20, 21 + layer), slice(21 + layer, None)
+        assert torch.equal(chunked.balancedness_per_layer[before, layer], old.balancedness_per_layer[before, layer])
+        assert torch.equal(chunked.balancedness_per_layer[after, layer], sync.balancedness_per_layer[after, layer])
+    fast = CostModel(expert_tflops=1e9)  # no forward to hide behind: each step stalls for its chunk
+    tight = replay(trace, "deepseek", 40, 1, 2, 8, step_interval=20, window_size=20, cost=fast, layers_per_chunk=2)
+    assert float(tight.stall_s.sum()) == pytest.approx(move_s, rel=1e-3)  # the same move, spread over 2 steps
+    assert float(tight.stall_s.max()) < move_s
+
+
+def test_replay_gives_a_history_policy_its_buckets():
+    from research_lm.eplb import registry
+
+    seen = []
+
+    @registry.register_policy("test_history", history_buckets=3)
+    def history_policy(weight, num_replicas, num_groups, num_nodes, num_gpus):
+        seen.append(torch.as_tensor(weight).clone())
+        return get_policy("deepseek")(torch.as_tensor(weight).sum(0), num_replicas, num_groups, num_nodes, num_gpus)
+
+    try:
+        trace = zipf_trace(20, 2, 8, num_tokens=64, seed=0)
+        replay(trace, "test_history", 8, 1, 1, 2, step_interval=10, window_size=7)
+        assert len(seen) == 1 and seen[0].shape == (3, 2, 8)
+        assert torch.equal(seen[0][0], trace[3:6].double().sum(0)) and torch.equal(seen[0].sum(0),
+                                                                                   trace[3:10].double().sum(0))
+    finally:
+        registry.POLICIES.entries.pop("test_history")

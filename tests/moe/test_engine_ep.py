@@ -1,7 +1,9 @@
 """Engine-level expert parallelism (research_lm.distributed): `LLM` on 2 ranks (gloo on CPU; NCCL on 2 GPUs),
 each holding only its half of every MoE layer's slots, generates the single-process run's greedy tokens
-through rebalances that send experts between ranks, with the single-process run's placements, EPLB
-metrics and load trace; a launch that cannot work fails with a sentence."""
+through rebalances that send experts between ranks, one layer a step (chunked moves), with least-loaded
+dispatch among replicas (`lplb`), the single-process run's placements, EPLB metrics and load trace; the
+same ranks run layer EP with least-loaded dispatch (per-expert counts all-reduced); a launch that cannot
+work fails with a sentence."""
 
 from __future__ import annotations
 
@@ -18,18 +20,21 @@ import torch.multiprocessing as mp
 
 from research_lm import LLM, SamplingParams
 from research_lm.distributed import setup_expert_parallel
-from research_lm.eplb import load_trace
+from research_lm.eplb import get_policy, load_trace
 from research_lm.eplb.controller import moe_layers
+from research_lm.eplb.dispatch import least_loaded
 from research_lm.models import load_model
-from research_lm.moe import MoeOptions
+from research_lm.moe import MoeBlock, MoeOptions, RouterConfig
 from research_lm.moe.ep import transfer_plan
 
 WORLD = 2
-# 8 experts + 2 redundant = 10 slots, 5 per rank; a rebalance every 2 steps (7 over the run)
-EPLB = dict(policy="deepseek", step_interval=2, window_size=3, num_redundant_experts=2, num_ep_ranks=WORLD)
+# 8 experts + 2 redundant = 10 slots, 5 per rank; a rebalance every 2 steps (7 over the run), its 2 layers moving
+# after the next 2 steps; tokens go to the least-loaded replica (lplb)
+EPLB = dict(policy="lplb", step_interval=2, window_size=3, num_redundant_experts=2, num_ep_ranks=WORLD,
+            rebalance_layers_per_chunk=1)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
 SUMMARY_KEYS = ("num_steps", "tokens_routed", "rank_load", "balancedness_total", "num_rebalances",
-                "moved_slots_total")
+                "moved_slots_total", "experts_moved_per_rebalance", "balancedness_layer_min", "dispatch")
 
 
 def _llm(path, device: str, eplb: dict | None, num_gpu_blocks: int | None = None) -> LLM:
@@ -85,11 +90,51 @@ def _worker(rank: int, port: int, device: str, path: str, out_dir: str) -> None:
                   "cross_rank_moves": sum(cross_rank), "summary": {k: summary[k] for k in SUMMARY_KEYS},
                   "num_blocks": llm.engine.num_blocks}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+        _check_layer_ep_least_loaded(rank, llm.engine.info.device)
         dist.barrier()  # no rank tears its connections down while the other may still use them
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     os._exit(0)  # passed: skip interpreter finalization, where gloo's threads can abort (SIGABRT) under load
+
+
+def _check_layer_ep_least_loaded(rank: int, device: torch.device) -> None:
+    """Layer EP (each rank its own tokens) with least-loaded dispatch: outputs equal the single-process layer's,
+    and the ranks' pairs together follow the split of the all-reduced counts (within a pair per rank)."""
+    num_experts, hidden, inter = 6, 16, 12
+    eplb = {"policy": "lplb", "num_redundant_experts": 2, "num_ep_ranks": WORLD}
+    gen = torch.Generator().manual_seed(0)
+    gate = torch.randn(num_experts, hidden, generator=gen)
+    w13, w2 = torch.randn(num_experts, 2 * inter, hidden, generator=gen), torch.randn(num_experts, hidden, inter,
+                                                                                      generator=gen)
+    placement = get_policy("deepseek")(torch.tensor([[50.0, 30.0, 5, 5, 5, 5]]), num_experts + 2, 1, 1, WORLD)
+    blocks = []
+    for extra in ({"eplb": eplb, "ep_group": dist.group.WORLD}, {"eplb": eplb}):
+        with torch.device(device):
+            block = MoeBlock(hidden, inter, num_experts, RouterConfig(top_k=2), MoeOptions.from_extra(extra, device))
+        ex = block.experts
+        with torch.no_grad():
+            block.gate.weight.copy_(gate)
+            ex.gate_up_proj.weight_loader(ex.gate_up_proj, w13 * 0.2, None)
+            ex.down_proj.weight_loader(ex.down_proj, w2 * 0.2, None)
+        ex.apply_placement(*(t[0] for t in placement))  # layer EP: the ranks send weights to each other
+        blocks.append(block)
+    ep, single = blocks
+    x = (torch.randn(12 if rank == 0 else 7, hidden, generator=torch.Generator().manual_seed(5 + rank)) * 3).to(device)
+    with torch.no_grad():
+        torch.testing.assert_close(ep(x), single(x), atol=1e-5, rtol=0)
+        ids = ep.gate(x)[1]
+        slots = ep.experts.to_physical(ids)
+    counts = torch.bincount(ids.flatten(), minlength=num_experts)
+    per_slot = torch.bincount(slots.flatten(), minlength=num_experts + 2)
+    for t in (counts, per_slot):
+        dist.all_reduce(t)
+    _, alloc = least_loaded(counts[None, None], ep.experts.log2phy[None], WORLD, (num_experts + 2) // WORLD,
+                            return_alloc=True)
+    replicas = ep.experts.log2phy
+    want = torch.zeros(num_experts + 2, dtype=torch.float64).index_add_(
+        0, replicas[replicas >= 0], alloc[0, 0][replicas >= 0])
+    assert (per_slot.double() - want).abs().max() <= WORLD
 
 
 def _free_port() -> int:

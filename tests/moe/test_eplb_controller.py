@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from research_lm import LLM, SamplingParams
-from research_lm.eplb import load_trace, replay
+from research_lm.eplb import get_policy, load_trace, replay
 from research_lm.eplb.controller import build_eplb_controller
 from research_lm.moe import FusedMoE
 
@@ -117,3 +117,51 @@ def test_baseline_none_reports_simulated_ep(tiny_checkpoint):
     summary = llm.engine.eplb.summary()
     assert summary["num_rebalances"] == 0 and summary["moved_slots_total"] == 0
     assert 0.25 <= summary["balancedness_total"] <= 1.0 and len(summary["rank_load"]) == 4
+
+
+def test_history_policy_least_loaded_dispatch_and_chunked_moves_replay_alike(tiny_checkpoint, tmp_path):
+    """deepseek_vec (the window's history), least-loaded dispatch and one layer moved a step: the tokens do not
+    change, each rebalance's layers move after the next steps (one each, never all in one), and replaying the
+    recorded trace with the same settings gives the same rebalances and moves."""
+    path = tmp_path / "trace.npz"
+    eplb = {**EPLB, "policy": "deepseek_vec", "dispatch": "least_loaded", "rebalance_layers_per_chunk": 1,
+            "record_trace": str(path), "step_interval": 3}
+    baseline = _generate(_llm(tiny_checkpoint("mixtral")))
+    llm = _llm(tiny_checkpoint("mixtral"), eplb)
+    assert _generate(llm) == baseline
+    ctrl = llm.engine.eplb
+    assert all(layer.dispatch == "least_loaded" for layer in ctrl.layers) and len(ctrl.layers) == 2
+    summary = ctrl.summary()
+    assert summary["num_rebalances"] >= 3 and summary["dispatch"] == "least_loaded"
+    for step in ctrl.rebalance_steps:  # chunk k moves after step + 1 + k
+        assert step not in ctrl.stall_ms
+        assert all(s in ctrl.stall_ms for s in (step + 1, step + 2) if s < ctrl.num_steps)
+    for key in ("balancedness_layer_min", "balancedness_layer_p90", "balancedness_step_p50", "stall_ms_max",
+                "experts_moved_per_rebalance", "bytes_moved_per_rebalance", "transfer_ms_per_rebalance", "slots_used"):
+        assert key in summary, key
+    assert summary["expert_bytes"] == ctrl.layers[0].slot_bytes()
+    result = replay(load_trace(path).load, "deepseek_vec", num_replicas=10, num_groups=1, num_nodes=1, num_gpus=2,
+                    step_interval=3, window_size=3, dispatch="least_loaded", layers_per_chunk=1)
+    served = [i for i, s in enumerate(ctrl.rebalance_steps) if s < ctrl.num_steps - 1]
+    assert result.rebalance_steps == [ctrl.rebalance_steps[i] for i in served]
+    assert result.moved_slots == [ctrl.moved_slots[i] for i in served]
+    assert [m["experts_moved"] for m in result.moves] == [ctrl.moves[i]["experts_moved"] for i in served]
+
+
+def test_least_loaded_slots_follow_the_batch(tiny_checkpoint):
+    """A layer's least-loaded slots: every pair lands on a replica of its expert, and the simulated ranks end no
+    more loaded than round robin's."""
+    from research_lm.eplb import rank_load
+
+    llm = _llm(tiny_checkpoint("mixtral"), {**EPLB, "policy": "lplb", "num_redundant_experts": 4, "step_interval": 0})
+    layer = llm.engine.eplb.layers[0]
+    weight = torch.tensor([[40.0, 30.0, 5, 5, 5, 5, 5, 5]])
+    layer.apply_placement(*(t[0] for t in get_policy("deepseek")(weight, 12, 1, 1, 2)))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.multinomial(weight[0], 2 * 60, replacement=True, generator=gen).view(60, 2)
+    slots = layer.to_physical(ids)
+    assert torch.equal(layer.phy2log[slots], ids)
+    layer.dispatch = "round_robin"
+    rr = layer.to_physical(ids)
+    loads = [rank_load(torch.bincount(s.flatten(), minlength=12).double(), 2).max() for s in (slots, rr)]
+    assert loads[0] <= loads[1]
