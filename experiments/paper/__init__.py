@@ -165,10 +165,11 @@ TABLES: dict[str, Table] = {
         device="cpu", measured_on="CPU (2 cores)", minutes="~25–50 s", bench="bench_eplb_policy",
     ),
     "eplb_ablation": Table(
-        what="EPLB at DeepSeek-V3 scale (synthetic drift / mix / switch traces; the trained MoEs' traces with `-- "
-             "--trace-dir research_lm/assets/moe_traces`): every policy's balancedness (vLLM's per-layer stats), "
-             "simulated step, migration, compute ms, slots used; sync vs chunked moves",
-        device="cpu", measured_on="CPU (2 cores)", minutes="~4 min", bench="bench_eplb_ablation",
+        what="EPLB at DeepSeek-V3 scale (synthetic drift / mix / switch traces) and on the trained MoEs' traces "
+             "(research_lm/assets/moe_traces: code, prose, switch): every policy's balancedness (vLLM's per-layer "
+             "stats), simulated step, migration, compute ms, slots used; sync vs chunked moves",
+        device="cpu", measured_on="CPU (2 cores)", minutes="~5 min", bench="bench_eplb_ablation",
+        args=("--trace-dir", "research_lm/assets/moe_traces"),
     ),
     "eplb_ablation_cpu": Table(
         what="eplb_ablation preset: every EPLB policy replayed on a drifting Zipf trace and on a trace recorded "
