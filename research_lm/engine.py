@@ -112,6 +112,7 @@ class LLMEngine:
             sliding_window=self._shared_sliding_window(),
             stop_strings=StopStrings(self.tokenizer) if self.tokenizer is not None else None,
             separate_prefill_tokens=self._separate_prefill_tokens(config.separate_prefills),
+            disable_by_batch_size=(config.speculative_config or {}).get("disable_by_batch_size"),
         )
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device)
         self.runner.defer_verification = self.async_scheduling

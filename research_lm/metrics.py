@@ -84,6 +84,9 @@ class EngineMetrics:
         if drafts:
             accepted = sum(o.metrics.num_accepted_tokens for o in ok)
             out["draft_acceptance_rate"] = accepted / drafts
+        disabled = sum(1 for s in self.steps if s.get("spec_disabled"))
+        if drafts or disabled:  # steps whose batch was over disable_by_batch_size: no drafts verified
+            out["num_spec_disabled_steps"] = disabled
         out.update(spec_phase_stats(self.steps))
         return out
 

@@ -9,6 +9,9 @@ Invariants (asserted by tests/test_scheduler.py):
   `num_tokens - 1` once the request has emitted (the last sampled token is computed next step).
 - With `separate_prefill_tokens`, a short prompt arriving while others decode gets a step of its own (the
   decodes wait one step), so that on a GPU both replay CUDA graphs instead of one eager mixed step.
+- `disable_by_batch_size` (vLLM's speculative_config key): a step whose batch, running plus waiting requests, is
+  larger than it verifies no drafts (the requests drop theirs and decode one token; the proposer drafts anew after
+  the step); `stats().spec_disabled` says so for the step just folded.
 - Preemption is by recompute and always takes the newest running request (the last admitted); a
   preempted request keeps its output tokens, frees its blocks and recomputes prompt + outputs. In
   a step that preempts, no waiting request is admitted.
@@ -61,6 +64,9 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up at admission
     prefix_cache_hits: int  # tokens found computed
     prefix_cache_hit_rate: float
+    # The step just folded skipped speculation (disable_by_batch_size). The latest scheduled step's flag: the engine
+    # folds it before reading this, except a verify step scheduled ahead (async), which never skips.
+    spec_disabled: bool
 
 
 class Scheduler:
@@ -79,13 +85,16 @@ class Scheduler:
         sliding_window: int | None = None,
         stop_strings: StopStrings | None = None,
         separate_prefill_tokens: int = 0,
+        disable_by_batch_size: int | None = None,
     ) -> None:
         """`num_lookahead_tokens`: extra slots a proposer writes past the verified tokens (EAGLE).
         `sliding_window`: free blocks out of the window; only when every layer uses that window.
         `stop_strings`: checks `SamplingParams.stop` (needs the tokenizer); None: requests may not set it.
         `separate_prefill_tokens`: a waiting prompt with at most this many tokens to compute, arriving while
         others decode, is admitted alone in a step of its own (the decodes resume next step) instead of
-        joining theirs; 0: it joins them (`_schedule_alone`)."""
+        joining theirs; 0: it joins them (`_schedule_alone`).
+        `disable_by_batch_size`: a step whose running plus waiting requests outnumber it verifies no drafts; None:
+        every step may."""
         if kv_cache.max_num_tokens < max_model_len + num_lookahead_tokens:
             raise ValueError(
                 f"the KV cache holds {kv_cache.max_num_tokens} tokens ({kv_cache.num_blocks - 1} blocks of "
@@ -106,6 +115,8 @@ class Scheduler:
         self.sliding_window = sliding_window
         self.stop_strings = stop_strings
         self.separate_prefill_tokens = separate_prefill_tokens
+        self.disable_by_batch_size = disable_by_batch_size
+        self.spec_disabled = False  # the latest scheduled step skipped speculation (`SchedulerStats.spec_disabled`)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -163,6 +174,7 @@ class Scheduler:
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
             prefix_cache_hit_rate=pc.hit_rate,
+            spec_disabled=self.spec_disabled,
         )
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -170,6 +182,10 @@ class Scheduler:
         """One step's batch: running requests first, then admissions (none if anyone was preempted)."""
         out = SchedulerOutput(scheduled=[], finished_req_ids=self._finished_since_schedule)
         self._finished_since_schedule = set()
+        self.spec_disabled = self._speculation_disabled()
+        if self.spec_disabled:
+            for request in self.running:  # none verified this step (the proposer drafts again after it)
+                request.spec_token_ids = []
         if self.suspects:
             self._schedule_isolated(out)
             return out
@@ -325,18 +341,24 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
         return True
 
+    def _speculation_disabled(self) -> bool:
+        """vLLM's disable_by_batch_size: this step's batch, running plus waiting requests, is larger than it."""
+        limit = self.disable_by_batch_size
+        return limit is not None and len(self.running) + len(self.waiting) > limit
+
     # ---- async scheduling --------------------------------------------------------------------
     def can_schedule_ahead(self, verifying: SchedulerOutput | None = None) -> bool:
         """Whether the next step may be scheduled before the running step's tokens are known: the free blocks
         cover every running request's next step, so scheduling cannot preempt. `verifying`: the running step is
         a verify step whose drafting left the next inputs on the device; the next step must then be its requests
-        again, each verifying all its drafts: nobody else running, no admission, and room below max_model_len for
-        the drafts and for what the next step emits (drafting reads the room before it is known)."""
+        again, each verifying all its drafts: nobody else running, no admission, no step skipping speculation
+        (disable_by_batch_size), and room below max_model_len for the drafts and for what the next step emits
+        (drafting reads the room before it is known)."""
         if self.suspects:  # one step at a time while isolating: a failure is then the isolated request's
             return False
         if verifying is not None:
             ids = {s.request.request_id for s in verifying.scheduled}
-            if self.waiting and len(self.running) < self.max_num_seqs:
+            if self.waiting and len(self.running) < self.max_num_seqs or self._speculation_disabled():
                 return False
             if any(r.request_id not in ids or r.num_tokens + 2 * (len(r.spec_token_ids) + 1) > self.max_model_len
                    for r in self.running):

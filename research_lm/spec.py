@@ -195,7 +195,7 @@ def speculative_method(speculative_config: dict[str, Any]) -> str | None:
 # speculative_config keys every method reads (vLLM's names) -> the kind of its value (research_lm.checks); None
 # leaves a key unset (conf/spec's yaml writes nulls). A method's own keys come with its registration.
 _COMMON_KEYS = {"method": "str?", "model": "path?", "num_speculative_tokens": "posint?",
-                "draft_tensor_parallel_size": "posint?"}
+                "draft_tensor_parallel_size": "posint?", "disable_by_batch_size": "posint?"}
 _METHOD_KEYS: dict[str, dict[str, str]] = {}  # method -> its own keys -> their kinds (register_proposer)
 
 

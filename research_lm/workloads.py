@@ -1,26 +1,30 @@
-"""Built-in workloads: code from the stdlib, prose from pydoc topics, synthetic lengths, JSONL files;
-and when each request arrives (all at once, or a Poisson / gamma process at `request_rate`)."""
+"""Built-in workloads: code from the stdlib, prose from pydoc topics, agent sessions editing stdlib files, synthetic
+lengths, JSONL files; and when each request arrives (all at once, or a Poisson / gamma process at `request_rate`)."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
 import random
+import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from research_lm.corpus import corpus_hash, pydoc_topics, stdlib_files
 from research_lm.sampling_params import SamplingParams
 
-WORKLOAD_KINDS = ("code", "prose", "synthetic", "jsonl")
+WORKLOAD_KINDS = ("code", "prose", "agentic", "synthetic", "jsonl")
 
 
 @dataclass
 class WorkloadSpec:
     kind: str = "code"
     num_requests: int = 16
-    prompt_chars: int = 400  # code/prose: prompt length in characters
+    prompt_chars: int = 400  # code/prose: prompt length in characters; agentic: the file excerpt's
+    num_turns: int = 4  # agentic: requests per session (turn t's prompt holds turns 1 .. t - 1)
     input_len: tuple[int, int] = (100, 1024)  # synthetic: uniform token lengths, inclusive
     output_len: tuple[int, int] = (100, 1024)  # synthetic
     max_tokens: int = 64
@@ -55,7 +59,7 @@ def build_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
     if spec.kind not in WORKLOAD_KINDS:
         raise ValueError(f"unknown workload kind {spec.kind!r}; choose one of {list(WORKLOAD_KINDS)}")
     rng = random.Random(spec.seed)
-    build = {"code": _code, "prose": _prose, "synthetic": _synthetic, "jsonl": _jsonl}[spec.kind]
+    build = {"code": _code, "prose": _prose, "agentic": _agentic, "synthetic": _synthetic, "jsonl": _jsonl}[spec.kind]
     workload = build(spec, rng, vocab_size)
     if spec.request_rate is not None and not math.isinf(spec.request_rate):
         # its own stream: turning arrivals on does not change the prompts
@@ -109,6 +113,106 @@ def _prose(spec: WorkloadSpec, rng: random.Random, vocab_size: int) -> Workload:
                for _ in range(spec.num_requests)]
     params = [_params(spec, spec.max_tokens, spec.seed * 100_003 + i) for i in range(len(prompts))]
     return Workload(prompts, params, f"pydoc_topics:{len(names)}")
+
+
+def _agentic(spec: WorkloadSpec, rng: random.Random, vocab_size: int) -> Workload:
+    """Coding-agent sessions, the workload suffix decoding was built for (SuffixDecoding's agentic benchmarks): an
+    agent edits one stdlib file a function at a time and re-emits each function whole, so its outputs repeat the
+    file and its own earlier outputs with small edits.
+
+    A session is a file excerpt of `prompt_chars` characters and `num_turns` turns; each turn asks for one
+    function of the excerpt with one edit (rename a parameter or local, add a comment line, change a number),
+    half the time a function an earlier turn already edited, and its answer is that function's latest version with
+    the edit applied. Turn t is one request: a fixed system text, the excerpt, turns 1 .. t - 1 with their answers,
+    then turn t's instruction and the first line of its answer, which the model continues. So the prompts of a
+    session share their prefix (prefix caching), the answer copies text of the prompt (n-gram and suffix trees
+    draft from it), and a later turn re-emits what earlier requests emitted (the global tree of finished outputs).
+    Sessions follow each other; `num_requests` turns in all. Deterministic from `seed`."""
+    if spec.num_turns < 1:
+        raise ValueError(f"workload.num_turns must be >= 1, got {spec.num_turns}")
+    files = stdlib_files(limit_bytes=4_000_000)
+    prompts: list[str] = []
+    while len(prompts) < spec.num_requests:
+        prompts += _session(files, rng, spec.prompt_chars, spec.num_turns)
+    prompts = prompts[: spec.num_requests]
+    params = [_params(spec, spec.max_tokens, spec.seed * 100_003 + i) for i in range(len(prompts))]
+    return Workload(prompts, params, corpus_hash(files))
+
+
+_AGENT_SYSTEM = ("# A session with a coding agent. The agent edits the file below one function at a time: each turn\n"
+                 "# it re-emits the whole function, with the change the user asks for applied to its latest version.\n")
+_COMMENTS = ("validated by the caller", "keep in sync with the tests", "reviewed by the agent", "see the module docs",
+             "hot path: avoid allocations")
+_SUFFIXES = ("new", "value", "item", "arg", "tmp")
+_MAX_FUNCTION_CHARS = 600  # keeps 4-turn sessions under 1.8k tokens of tiny-llama (max_model_len 2048)
+
+
+def _session(files: list[Path], rng: random.Random, excerpt_chars: int, num_turns: int) -> list[str]:
+    """One agent session's prompts, one per turn."""
+    path, excerpt, functions = _excerpt(files, rng, excerpt_chars)
+    latest: dict[str, str] = {}  # function name -> its latest version (the file's until a turn edits it)
+    history = f"{_AGENT_SYSTEM}# File: {path.name}\n{excerpt}\n"
+    prompts = []
+    for _ in range(num_turns):
+        edited = sorted(latest)
+        name = rng.choice(edited) if edited and rng.random() < 0.5 else rng.choice(sorted(functions))
+        answer, instruction = _edit(latest.get(name, functions[name]), rng)
+        latest[name] = answer
+        ask = f"# User: in `{name}`, {instruction}.\n# Agent:\n"
+        prompts.append(history + ask + answer.split("\n", 1)[0] + "\n")
+        history += ask + answer + "\n"
+    return prompts
+
+
+def _excerpt(files: list[Path], rng: random.Random, chars: int) -> tuple[Path, str, dict[str, str]]:
+    """A file and an excerpt of it of at most `chars` characters, starting at a function, holding at least two whole
+    undecorated functions of 3 to 25 lines and at most `_MAX_FUNCTION_CHARS` (their sources, by name)."""
+    for _ in range(1000):
+        path = files[rng.randrange(len(files))]
+        text = path.read_text(encoding="utf-8")
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines(keepends=True)
+        defs = sorted((node.lineno, node.end_lineno, node.name) for node in ast.walk(tree)
+                      if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.decorator_list
+                      and 3 <= node.end_lineno - node.lineno + 1 <= 25
+                      and len("".join(lines[node.lineno - 1 : node.end_lineno])) <= _MAX_FUNCTION_CHARS)
+        if len(defs) < 2:
+            continue
+        first = rng.randrange(len(defs) - 1)
+        start, end, size = defs[first][0] - 1, defs[first][0] - 1, 0
+        while end < len(lines) and size + len(lines[end]) <= chars:
+            size += len(lines[end])
+            end += 1
+        functions = {name: "".join(lines[a - 1 : b]).rstrip("\n") for a, b, name in defs[first:] if b <= end}
+        if len(functions) >= 2:
+            return path, "".join(lines[start:end]), functions
+    raise ValueError(f"workload.prompt_chars={chars}: no stdlib file excerpt holds two whole functions; raise it")
+
+
+def _edit(source: str, rng: random.Random) -> tuple[str, str]:
+    """One small edit of a function's source, and the instruction that asks for it: rename a parameter or local
+    variable, add a comment line at the top of the body, or change a number (when the function has one)."""
+    node = ast.parse(textwrap.dedent(source)).body[0]
+    names = sorted({a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg) and a.arg not in ("self", "cls")}
+                   | {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)})
+    numbers = [m for m in re.finditer(r"(?<![\w.])\d+(?![\w.])", source) if m.start() > source.find(":")]
+    kind = rng.choice(["rename", "comment", "number"])
+    if kind == "rename" and names:
+        old = rng.choice(names)
+        new = f"{old}_{rng.choice(_SUFFIXES)}"
+        return re.sub(rf"\b{re.escape(old)}\b", new, source), f"rename `{old}` to `{new}`"
+    if kind == "number" and numbers:
+        m = rng.choice(numbers)
+        new = str(int(m.group()) + rng.randint(1, 9))
+        return source[: m.start()] + new + source[m.end() :], f"change the constant {m.group()} to {new}"
+    lines = source.split("\n")
+    body = max(1, node.body[0].lineno - 1)  # the body's first line (line 0 is the def)
+    indent = lines[body][: len(lines[body]) - len(lines[body].lstrip())]
+    note = rng.choice(_COMMENTS)
+    return "\n".join([*lines[:body], f"{indent}# {note}", *lines[body:]]), f"add the comment `# {note}` to its body"
 
 
 def _synthetic(spec: WorkloadSpec, rng: random.Random, vocab_size: int) -> Workload:

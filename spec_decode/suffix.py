@@ -1,0 +1,353 @@
+"""Suffix decoding (SuffixDecoding, Oliaro et al., NeurIPS 2025; vLLM's method "suffix", after Snowflake
+ArcticInference): model-free drafts from suffix trees of bounded depth, with vLLM's four keys and defaults.
+
+Each live request has a tree over its own prompt + output, extended by every token it emits; one global tree holds the
+outputs of the last `suffix_decoding_max_cached_requests` finished requests (FIFO eviction; 0: no global tree). A tree
+holds every substring of at most `suffix_decoding_max_tree_depth` tokens, each node counting its occurrences. Every
+step, for each match length m (the request's last m tokens found in a tree, m < depth), the drafts follow the most
+frequent child below the match, a token kept while its empirical probability (the product of count(child) /
+count(parent) along the path) is >= `suffix_decoding_min_token_prob`, at most min(k, floor(m *
+`suffix_decoding_max_spec_factor`)) of them. Of all (tree, m), the path with the highest score (the sum of its
+probabilities: the expected number of accepted drafts) wins; ties go to the longer match, then to the request's own
+tree. Drafts are that one path (a chain).
+
+Host cost per step: `max_tree_depth` dict lookups per emitted token (own tree) and per live request (its match in
+the global tree, redone in full only after the global tree changed), plus the path walks; a request's own tree is
+built once, from its prompt, when it first emits (vectorized: ~12 ms for 2k tokens on one core). Unlike
+ArcticInference's path-compressed tree, every substring has a node: up to max_tree_depth nodes per token (a 2k-token
+code prompt: ~40k nodes, ~4 MB).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from research_lm.request import Request
+from research_lm.spec import DraftTarget, Proposal, Proposer, StepOutcome, register_proposer
+
+_NONE = -1  # best child: the node has no children
+_STALE = -2  # best child: a child's count went down; recounted from the children when next needed
+
+
+class SuffixTree:
+    """Every substring of at most `max_depth` tokens of the sequences appended to it, as a trie whose node for a
+    string w counts the positions w starts at, and knows its most frequent child (ties: the smaller token).
+
+    Nodes are ints (0: the root, the empty string) indexing flat arrays; a child is found in one dict keyed by
+    parent << 32 | token. A sequence is held by the caller as its suffix nodes (index m - 1: the node of its last m
+    tokens, m <= max_depth), which `append` moves one token on: max_depth lookups per token, never a rebuild."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.children: dict[int, int] = {}
+        self.count = array("q", [0])
+        self.token = array("q", [-1])
+        self.best = array("q", [_NONE])
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+    def append(self, suffixes: list[int], token: int) -> list[int]:
+        """A sequence with suffix nodes `suffixes`, extended by `token`: its new suffix nodes."""
+        children, count, tok, best = self.children, self.count, self.token, self.best
+        out = []
+        for parent in (0, *suffixes[: self.max_depth - 1]):
+            key = parent << 32 | token
+            node = children.get(key)
+            if node is None:
+                node = children[key] = self._new(parent, token)
+            n = count[node] = count[node] + 1
+            b = best[parent]
+            if b == _NONE or b >= 0 and (n > count[b] or n == count[b] and token < tok[b]):
+                best[parent] = node
+            out.append(node)
+        count[0] += 1
+        return out
+
+    def extend(self, tokens: list[int], suffixes: list[int] = ()) -> list[int]:
+        """`append` each token in turn."""
+        suffixes = list(suffixes)
+        for token in tokens:
+            suffixes = self.append(suffixes, token)
+        return suffixes
+
+    def build(self, tokens: list[int]) -> list[int]:
+        """`extend` an empty tree by `tokens`, vectorized (one np.unique per depth): the same nodes, counts and best
+        children, numbered by depth."""
+        assert len(self.count) == 1, "build fills an empty tree"
+        seq = np.asarray(tokens, dtype=np.int64)  # [L]
+        length = seq.shape[0]
+        node = np.zeros(length, dtype=np.int64)  # per start i: the node of seq[i : i + m - 1], then of seq[i : i + m]
+        keys, counts, suffixes, num_nodes = [], [], [], 1
+        for m in range(1, min(self.max_depth, length) + 1):
+            level, inverse, level_counts = np.unique(node[: length - m + 1] << 32 | seq[m - 1 :], return_inverse=True,
+                                                     return_counts=True)
+            node = num_nodes + inverse.reshape(-1)
+            num_nodes += level.shape[0]
+            keys.append(level)
+            counts.append(level_counts)
+            suffixes.append(int(node[-1]))  # start length - m: the last m tokens
+        if not keys:
+            return []
+        key, count = np.concatenate(keys), np.concatenate(counts)  # node i + 1 is entry i
+        parent, token = key >> 32, key & 0xFFFFFFFF
+        order = np.lexsort((token, -count, parent))  # per parent: the most frequent child first, then the smaller token
+        first = order[np.r_[True, parent[order][1:] != parent[order][:-1]]]
+        best = np.full(num_nodes, _NONE, dtype=np.int64)
+        best[parent[first]] = first + 1
+        self.children = dict(zip(key.tolist(), range(1, num_nodes)))
+        self.count = array("q", np.r_[length, count].astype(np.int64).tobytes())
+        self.token = array("q", np.r_[-1, token].astype(np.int64).tobytes())
+        self.best = array("q", best.tobytes())
+        return suffixes
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """The nodes of the suffixes of `tokens` present in the tree, shortest first (each suffix of a present
+        string is present too, so they stop at the first one missing)."""
+        children, out = self.children, []
+        for m in range(1, len(tokens) + 1):
+            node = 0
+            for token in tokens[len(tokens) - m :]:
+                node = children.get(node << 32 | token, -1)
+                if node < 0:
+                    return out
+            out.append(node)
+        return out
+
+    def best_child(self, node: int) -> int:
+        return self.best[node]
+
+    def path(self, node: int, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
+        """Up to `max_tokens` tokens below `node` along the most frequent children, while the path's probability
+        (product of count(child) / count(parent)) stays >= min_prob; and its score, the sum of those probabilities."""
+        count, tok = self.count, self.token
+        drafts: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(drafts) < max_tokens:
+            child = self.best_child(node)
+            if child < 0:
+                break
+            prob *= count[child] / count[node]
+            if prob < min_prob:
+                break
+            drafts.append(tok[child])
+            score += prob
+            node = child
+        return drafts, score
+
+    def _new(self, parent: int, token: int) -> int:
+        self.count.append(0)
+        self.token.append(token)
+        self.best.append(_NONE)
+        return len(self.count) - 1
+
+
+class CachedOutputsTree(SuffixTree):
+    """A `SuffixTree` whose sequences can also be removed (the global tree): each node links its children (to
+    recount a best child whose count went down), and removed nodes are reused."""
+
+    def __init__(self, max_depth: int) -> None:
+        super().__init__(max_depth)
+        self.first_child = array("q", [-1])
+        self.next_sibling = array("q", [-1])
+        self._free: list[int] = []
+
+    def remove(self, tokens: list[int]) -> None:
+        """Take out one occurrence of a sequence appended before: its substrings' counts go down, nodes left at 0
+        go, and a parent whose best child lost a count recounts it when next asked."""
+        children, count, best = self.children, self.count, self.best
+        dead: list[tuple[int, int]] = []  # (parent, node) at count 0, dropped once every count is down
+        suffixes: list[int] = []
+        for token in tokens:
+            out = []
+            for parent in (0, *suffixes[: self.max_depth - 1]):
+                node = children[parent << 32 | token]
+                count[node] -= 1
+                if best[parent] == node:
+                    best[parent] = _STALE
+                if count[node] == 0:
+                    dead.append((parent, node))
+                out.append(node)
+            count[0] -= 1
+            suffixes = out
+        for parent, node in dead:
+            del children[parent << 32 | self.token[node]]
+            if parent == 0 or count[parent] > 0:
+                self._unlink(parent, node)
+            self._free.append(node)
+
+    def best_child(self, node: int) -> int:
+        b = self.best[node]
+        if b != _STALE:
+            return b
+        count, tok = self.count, self.token
+        child, b = self.first_child[node], _NONE
+        while child >= 0:
+            if b < 0 or count[child] > count[b] or count[child] == count[b] and tok[child] < tok[b]:
+                b = child
+            child = self.next_sibling[child]
+        self.best[node] = b
+        return b
+
+    def _new(self, parent: int, token: int) -> int:
+        if self._free:
+            node = self._free.pop()
+            self.count[node], self.token[node], self.best[node], self.first_child[node] = 0, token, _NONE, -1
+            self.next_sibling[node] = self.first_child[parent]
+        else:
+            node = super()._new(parent, token)
+            self.first_child.append(-1)
+            self.next_sibling.append(self.first_child[parent])
+        self.first_child[parent] = node
+        return node
+
+    def _unlink(self, parent: int, node: int) -> None:
+        child = self.first_child[parent]
+        if child == node:
+            self.first_child[parent] = self.next_sibling[node]
+            return
+        while self.next_sibling[child] != node:
+            child = self.next_sibling[child]
+        self.next_sibling[child] = self.next_sibling[node]
+
+
+class FinishedOutputs:
+    """The global tree: the outputs of the last `max_requests` finished requests, evicted first in, first out.
+    `version` changes with every change of the tree (a live request's match in it is then redone)."""
+
+    def __init__(self, max_depth: int, max_requests: int) -> None:
+        self.tree = CachedOutputsTree(max_depth)
+        self.max_requests = max_requests
+        self.outputs: OrderedDict[str, list[int]] = OrderedDict()
+        self.version = 0
+
+    def add(self, request_id: str, tokens: list[int]) -> None:
+        if self.max_requests == 0 or not tokens:
+            return
+        if request_id in self.outputs:  # an id used again: its newer output replaces the older
+            self.tree.remove(self.outputs.pop(request_id))
+        self.outputs[request_id] = tokens
+        self.tree.extend(tokens)
+        while len(self.outputs) > self.max_requests:
+            self.tree.remove(self.outputs.popitem(last=False)[1])
+        self.version += 1
+
+
+@dataclass
+class _Live:
+    """A live request's drafting state."""
+
+    request: Request
+    tree: SuffixTree  # its prompt + output
+    suffixes: list[int]  # its nodes there: index m - 1 holds its last m tokens
+    tail: list[int]  # its last max_depth - 1 tokens: the longest pattern matched in the global tree
+    num_tokens: int  # tokens in `tree`
+    cached: list[int]  # the global tree's nodes of its last 1 .. M tokens, as of `version`
+    version: int
+
+
+class SuffixProposer(Proposer):
+    """`research_lm.spec.Proposer` for suffix decoding: needs no hidden states or q (see the module docstring)."""
+
+    def __init__(self, num_speculative_tokens: int, max_tree_depth: int, max_cached_requests: int,
+                 max_spec_factor: float, min_token_prob: float) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_tree_depth = max_tree_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.finished = FinishedOutputs(max_tree_depth, max_cached_requests)
+        self._live: dict[str, _Live] = {}
+
+    def propose(self, outcome: StepOutcome) -> Proposal:
+        # `emitted` is not yet appended to the requests; a request that emitted nothing (a prompt chunk short of the
+        # end) gets no drafts.
+        token_ids: dict[str, list[int]] = {}
+        for req, emitted in zip(outcome.requests, outcome.emitted, strict=True):
+            if not emitted:
+                token_ids[req.request_id] = []
+                continue
+            live = self._live.get(req.request_id)
+            if live is None or live.num_tokens != req.num_tokens:  # first drafts (again, after a preemption)
+                live = self._live[req.request_id] = self._start(req)
+            for token in emitted:
+                self._append(live, token)
+            token_ids[req.request_id] = self._draft(live)
+        return Proposal(token_ids)
+
+    def on_requests_removed(self, req_ids: set[str]) -> None:
+        """A finished request's output goes to the global tree (a preempted one's comes back when it finishes)."""
+        for req_id in req_ids:
+            live = self._live.pop(req_id, None)
+            if live is not None and live.request.is_finished and live.request.finish_reason != "error":
+                self.finished.add(req_id, list(live.request.output_token_ids))
+
+    def _start(self, req: Request) -> _Live:
+        tokens = req.all_token_ids
+        tree = SuffixTree(self.max_tree_depth)
+        tail = tokens[max(0, len(tokens) - self.max_tree_depth + 1) :]
+        return _Live(req, tree, tree.build(tokens), tail, len(tokens), [], -1)
+
+    def _append(self, live: _Live, token: int) -> None:
+        live.suffixes = live.tree.append(live.suffixes, token)
+        live.num_tokens += 1
+        live.tail.append(token)
+        del live.tail[: max(0, len(live.tail) - self.max_tree_depth + 1)]
+        if live.version == self.finished.version:  # one token on in the global tree too (else `_draft` matches anew)
+            children = self.finished.tree.children
+            cached = []
+            for parent in (0, *live.cached[: self.max_tree_depth - 2]):
+                node = children.get(parent << 32 | token, -1)
+                if node < 0:
+                    break
+                cached.append(node)
+            live.cached = cached
+
+    def _draft(self, live: _Live) -> list[int]:
+        finished = self.finished
+        if live.version != finished.version:
+            live.cached, live.version = finished.tree.match(live.tail), finished.version
+        k, factor, min_prob = self.num_speculative_tokens, self.max_spec_factor, self.min_token_prob
+        best: list[int] = []
+        best_score = 0.0
+        for tree, nodes in ((live.tree, live.suffixes), (finished.tree, live.cached)):
+            for m in range(min(len(nodes), self.max_tree_depth - 1), 0, -1):  # longest match first
+                limit = min(k, int(m * factor + 1e-6))
+                if limit <= best_score:  # its score is at most `limit`: it cannot win
+                    continue
+                drafts, score = tree.path(nodes[m - 1], limit, min_prob)
+                if score > best_score:
+                    best, best_score = drafts, score
+        return best
+
+
+_DEFAULTS = {  # vLLM's SpeculativeConfig defaults
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
+
+
+@register_proposer("suffix", suffix_decoding_max_tree_depth="posint?", suffix_decoding_max_cached_requests="count?",
+                   suffix_decoding_max_spec_factor="number?", suffix_decoding_min_token_prob="number?")
+def build_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> SuffixProposer:
+    """vLLM's keys and defaults; num_speculative_tokens defaults to the tree depth (the most a path can hold)."""
+    value = {key: default if speculative_config.get(key) is None else speculative_config[key]
+             for key, default in _DEFAULTS.items()}
+    depth, factor, min_prob = (value[f"suffix_decoding_{k}"] for k in ("max_tree_depth", "max_spec_factor",
+                                                                           "min_token_prob"))
+    if factor < 0:
+        raise ValueError(f"speculative_config['suffix_decoding_max_spec_factor'] must be >= 0, got {factor}")
+    if not 0 <= min_prob <= 1:
+        raise ValueError(f"speculative_config['suffix_decoding_min_token_prob'] must be in [0, 1], got {min_prob}")
+    k = speculative_config.get("num_speculative_tokens")
+    k = depth if k is None else int(k)
+    if k < 1:  # as the other proposers: zero drafts is no speculation, i.e. no speculative_config
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+    return SuffixProposer(k, int(depth), int(value["suffix_decoding_max_cached_requests"]), float(factor),
+                          float(min_prob))

@@ -1,0 +1,264 @@
+"""Suffix decoding (spec_decode/suffix.py).
+
+Invariants:
+- A tree counts every substring of at most max_depth tokens (its occurrences) and knows each node's most frequent
+  child (ties: the smaller token), built token by token or at once; removing a sequence leaves the tree of the rest.
+- Drafts equal a brute-force reference: for every match length m of the request's last tokens in its own tree or the
+  global one, the most-frequent-child path while its probability (count ratios) >= min_token_prob, at most
+  min(k, floor(m * max_spec_factor)) tokens; the highest sum of probabilities wins (ties: longer match, own tree).
+- The global tree holds the last max_cached_requests finished outputs (FIFO); preempted requests add nothing.
+- Greedy suffix decoding is token-identical to plain greedy decoding under chunked prefill, preemption and prefix
+  caching; seeded sampling is the same with async scheduling on or off and, without a global tree, whatever the
+  batch around a request.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from research_lm import LLM, SamplingParams
+from research_lm.request import Request, RequestStatus
+from research_lm.spec import StepOutcome, check_speculative_config
+from spec_decode.suffix import CachedOutputsTree, SuffixTree, build_proposer
+from tests.engine.test_spec_greedy_identity import _repetitive_prompts
+
+seqs = st.lists(st.integers(0, 3), min_size=0, max_size=30)
+
+
+def canonical(tree: SuffixTree) -> dict[tuple[int, ...], tuple[int, int | None]]:
+    """Every live node as (its string) -> (count, its best child's token)."""
+    kids = defaultdict(list)
+    for key, node in tree.children.items():
+        kids[key >> 32].append((key & 0xFFFFFFFF, node))
+    out, stack = {}, [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        best = tree.best_child(node)
+        out[path] = (tree.count[node], None if best < 0 else tree.token[best])
+        stack += [(child, (*path, token)) for token, child in kids[node]]
+    return out
+
+
+def brute_force(sequences: list[list[int]], depth: int) -> dict[tuple[int, ...], tuple[int, int | None]]:
+    count = defaultdict(int)
+    count[()] = sum(len(s) for s in sequences)
+    for s in sequences:
+        for i in range(len(s)):
+            for m in range(1, min(depth, len(s) - i) + 1):
+                count[tuple(s[i : i + m])] += 1
+    children = defaultdict(list)
+    for w, n in count.items():
+        if w:
+            children[w[:-1]].append((-n, w[-1]))
+    return {w: (n, min(children[w])[1] if children[w] else None) for w, n in count.items()}
+
+
+@settings(max_examples=150, deadline=None)
+@given(sequences=st.lists(seqs, min_size=1, max_size=3), depth=st.integers(1, 6))
+def test_tree_counts_substrings_and_best_children(sequences, depth):
+    tree = SuffixTree(depth)
+    for i, s in enumerate(sequences):
+        suffixes = tree.extend(s)
+        so_far = brute_force(sequences[: i + 1], depth)
+        assert [tree.count[n] for n in suffixes] == [so_far[tuple(s[len(s) - m :])][0]
+                                                     for m in range(1, min(depth, len(s)) + 1)]
+    assert canonical(tree) == brute_force(sequences, depth)
+    built = SuffixTree(depth)
+    suffixes = built.build(sequences[0])
+    assert canonical(built) == brute_force(sequences[:1], depth)
+    assert suffixes == built.match(sequences[0][len(sequences[0]) - min(depth, len(sequences[0])) :])
+
+
+@settings(max_examples=150, deadline=None)
+@given(sequences=st.lists(seqs, min_size=1, max_size=5), removed=st.lists(st.integers(0, 4), max_size=4),
+       depth=st.integers(1, 5))
+def test_removing_sequences_leaves_the_tree_of_the_rest(sequences, removed, depth):
+    tree = CachedOutputsTree(depth)
+    for s in sequences:
+        tree.extend(s)
+    gone = sorted({i % len(sequences) for i in removed})
+    for i in gone:
+        tree.remove(sequences[i])
+    rest = [s for i, s in enumerate(sequences) if i not in gone]
+    assert canonical(tree) == brute_force(rest, depth)
+    for s in sequences:  # freed nodes are reused and counted right
+        tree.extend(s)
+    assert canonical(tree) == brute_force(rest + sequences, depth)
+
+
+def _request(request_id: str, tokens: list[int], finished: bool = False) -> Request:
+    req = Request(request_id, list(tokens), SamplingParams(), seed=0)
+    req.status = RequestStatus.FINISHED if finished else RequestStatus.RUNNING
+    return req
+
+
+def _outcome(requests: list[Request], emitted: list[list[int]]) -> StepOutcome:
+    empty = torch.zeros(0, dtype=torch.int64)
+    return StepOutcome(requests=requests, emitted=emitted, input_ids=empty, positions=empty,
+                       query_start_loc_cpu=torch.zeros(len(requests) + 1, dtype=torch.int32), hidden_states=None,
+                       aux_hidden_states=None, num_rejected=[0] * len(requests), common=None)
+
+
+def _proposer(k: int, depth: int = 24, cached: int = 10000, factor: float = 1.0, min_prob: float = 0.1):
+    return build_proposer({"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_max_tree_depth": depth,
+                           "suffix_decoding_max_cached_requests": cached, "suffix_decoding_max_spec_factor": factor,
+                           "suffix_decoding_min_token_prob": min_prob}, None)
+
+
+def reference_drafts(own: list[int], cached: list[list[int]], depth: int, k: int, factor: float,
+                     min_prob: float) -> list[int]:
+    """Suffix decoding by brute force over the sequences themselves (no tree)."""
+    best, best_score = [], 0.0
+    for sources in ([own], cached):
+        count = brute_force(sources, depth)
+        for m in range(min(len(own), depth - 1), 0, -1):
+            node = tuple(own[len(own) - m :])
+            if node not in count:
+                continue
+            drafts, prob, score = [], 1.0, 0.0
+            while len(drafts) < min(k, math.floor(m * factor + 1e-6)):
+                token = count[node][1]
+                if token is None:
+                    break
+                prob *= count[(*node, token)][0] / count[node][0]
+                if prob < min_prob:
+                    break
+                drafts.append(token)
+                score += prob
+                node = (*node, token)
+            if score > best_score:
+                best, best_score = drafts, score
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=25), steps=st.lists(seqs, max_size=3),
+       cached=st.lists(seqs, max_size=3), depth=st.integers(1, 7), k=st.integers(1, 6),
+       factor=st.sampled_from([0.5, 1.0, 2.0]), min_prob=st.sampled_from([0.0, 0.1, 0.4]))
+def test_drafts_equal_the_brute_force_reference(prompt, steps, cached, depth, k, factor, min_prob):
+    """The request emits one batch of tokens per step (its own tree and its global match move on incrementally);
+    the global tree changes between steps (its match is redone)."""
+    proposer = _proposer(k, depth, factor=factor, min_prob=min_prob)
+    req, outputs = _request("r", prompt), []
+    for i, emitted in enumerate([[prompt[-1]], *[s for s in steps if s]]):
+        if i < len(cached):
+            proposer.finished.add(f"done{i}", cached[i])
+            outputs.append(cached[i])
+        drafts = proposer.propose(_outcome([req], [emitted])).token_ids["r"]
+        req.output_token_ids += emitted
+        want = reference_drafts(req.all_token_ids, [o for o in outputs if o], depth, k, factor, min_prob)
+        assert drafts == want
+
+
+def test_spec_factor_scales_drafts_with_the_match_length():
+    """With the emitted 3 the request ends in [1, 2, 3], seen once before: a 3-token match whose path
+    probabilities are 1/2 each (the current occurrence counts too). floor(3 * factor) drafts, at most k."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    for k, factor, want in [(6, 1.0, [4, 5, 6]), (6, 0.5, [4]), (6, 4.0, [4, 5, 6, 7, 8, 9]), (2, 4.0, [4, 5]),
+                            (6, 0.3, [])]:
+        assert _proposer(k, factor=factor).propose(_outcome([_request("a", prompt)], [[3]])).token_ids["a"] == want
+
+
+def test_min_token_prob_stops_the_path_where_continuations_split():
+    """The request ends in [7, 8], seen 5 times (this one included): followed by 9 three times (probability 3/5),
+    then 1, 2 or 3 once each (the smaller token: 3/5 * 1/3 = 0.2), then by one continuation (0.2 stays)."""
+    prompt = [7, 8, 9, 1, 7, 8, 9, 2, 7, 8, 9, 3, 7, 8, 5, 4, 7]
+    for min_prob, want in [(0.1, [9, 1, 7, 8]), (0.19, [9, 1, 7, 8]), (0.21, [9]), (0.7, [])]:
+        proposer = _proposer(4, factor=2.0, min_prob=min_prob)
+        assert proposer.propose(_outcome([_request("a", prompt)], [[8]])).token_ids["a"] == want
+        assert reference_drafts(prompt + [8], [], 24, 4, 2.0, min_prob) == want
+
+
+def test_the_global_tree_keeps_the_last_finished_outputs_first_in_first_out():
+    proposer = _proposer(4, cached=2)
+    outputs = {"a": [10, 11, 12, 13, 14], "b": [20, 21, 22, 23, 24], "c": [30, 31, 32, 33, 34]}
+    live = {r: _request(r, [1, 2]) for r in outputs}
+    proposer.propose(_outcome(list(live.values()), [[3]] * 3))
+    preempted = _request("p", [1, 2])
+    proposer.propose(_outcome([preempted], [[3]]))
+    for r, tokens in outputs.items():
+        live[r].output_token_ids = [3, *tokens]
+        live[r].status = RequestStatus.FINISHED
+        proposer.on_requests_removed({r, "p"})
+    assert list(proposer.finished.outputs) == ["b", "c"]  # a was evicted first; p was preempted, not finished
+    assert canonical(proposer.finished.tree) == brute_force([[3, *outputs["b"]], [3, *outputs["c"]]], 24)
+    new = [_request(r, [9, 9]) for r in ("x", "y", "z")]
+    drafts = proposer.propose(_outcome(new, [[3, 10], [3, 20], [3, 30]])).token_ids
+    assert drafts == {"x": [], "y": [21, 22], "z": [31, 32]}  # two tokens matched: two drafts
+    proposer.finished.add("c", [40, 41])  # an id again: its new output replaces the old one, at the back
+    assert list(proposer.finished.outputs) == ["b", "c"]
+    assert canonical(proposer.finished.tree) == brute_force([[3, *outputs["b"]], [40, 41]], 24)
+    none = _proposer(4, cached=0)
+    none.finished.add("a", [1, 2, 3])
+    assert not none.finished.outputs and len(none.finished.tree) == 1
+
+
+def test_config_defaults_and_errors():
+    proposer = build_proposer({"method": "suffix"}, None)  # vLLM's defaults; k defaults to the tree depth
+    assert (proposer.num_speculative_tokens, proposer.max_tree_depth, proposer.finished.max_requests,
+            proposer.max_spec_factor, proposer.min_token_prob) == (24, 24, 10000, 1.0, 0.1)
+    for key, value, why in [("suffix_decoding_max_spec_factor", -1.0, "must be >= 0"),
+                            ("suffix_decoding_min_token_prob", 1.5, r"must be in \[0, 1\]"),
+                            ("suffix_decoding_max_tree_depth", 0, "must be a positive integer"),
+                            ("suffix_decoding_max_cached_requests", -1, "must be a non-negative integer")]:
+        with pytest.raises(ValueError, match=rf"speculative_config\['{key}'\] {why}"):
+            build_proposer(check_speculative_config({"method": "suffix", key: value}), None)
+    with pytest.raises(ValueError, match=r"unknown speculative_config key\(s\) \['suffix_decoding_depth'\]"):
+        check_speculative_config({"method": "suffix", "suffix_decoding_depth": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
+        build_proposer({"method": "suffix", "num_speculative_tokens": 0}, None)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+KNOBS = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
+             num_gpu_blocks=24, max_model_len=64)
+SPEC = {"method": "suffix", "num_speculative_tokens": 3}
+
+
+def test_greedy_identical_under_chunked_prefill_preemption_and_prefix_caching(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = LLM(path, **KNOBS)
+    prompts = _repetitive_prompts(base.engine.info.vocab_size)
+    prompts += [prompts[0], prompts[3]]  # repeats: prefix-cache hits, and the global tree drafts from their outputs
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(path, **KNOBS, speculative_config=SPEC)
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+    assert spec.engine.kv_cache.num_free_blocks == spec.engine.num_blocks - 1
+    # The same prompts again: their earlier outputs (now in the global tree) draft, and more is accepted.
+    again = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert sum(o.metrics.num_accepted_tokens for o in again) > accepted
+
+
+def test_seeded_sampling_is_the_same_with_async_scheduling_and_whatever_the_batch(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    knobs = KNOBS | dict(num_gpu_blocks=64, enable_prefix_caching=True)
+    prompts = _repetitive_prompts(LLM(path, **knobs).engine.info.vocab_size)
+    params = [SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=20, ignore_eos=True)
+              for i in range(len(prompts))]
+    sync = LLM(path, **knobs, speculative_config=SPEC).generate(prompts, params, use_tqdm=False)
+    got = LLM(path, **knobs, async_scheduling=True, speculative_config=SPEC).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in sync]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    # Without a global tree a request drafts from itself alone: its seeded tokens do not depend on the others.
+    alone = {**SPEC, "suffix_decoding_max_cached_requests": 0}
+    llm = LLM(path, **knobs, speculative_config=alone)
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    for i in random.Random(0).sample(range(len(prompts)), 3):
+        one = llm.generate([prompts[i]], [params[i]], use_tqdm=False)[0]
+        assert one.outputs[0].token_ids == batch[i].outputs[0].token_ids
