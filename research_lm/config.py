@@ -67,6 +67,11 @@ class EngineConfig:
     # pass); whether 1 should be the CUDA default is still to measure with this knob.
     host_threads: int | None = None
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (speed runs, vLLM's name)
+    # Ranks of tensor parallelism: one process per rank, started by torchrun (research_lm/distributed.py)
+    tensor_parallel_size: int = 1
+    # Bound of every collective between ranks (tensor or expert parallelism): a rank that died or hangs ends the
+    # others' runs with RankLostError after at most this long
+    distributed_timeout_s: float = 300.0
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
 
     def model_extra(self) -> dict[str, Any]:
@@ -98,6 +103,10 @@ class EngineConfig:
             raise ValueError(f"prefill_graph_sizes must be positive prompt lengths, got {self.prefill_graph_sizes}")
         if self.host_threads is not None and self.host_threads < 1:
             raise ValueError(f"host_threads must be >= 1 (or None), got {self.host_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), got {self.num_gpu_blocks}")
 

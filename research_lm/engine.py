@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from research_lm.config import EngineConfig
-from research_lm.distributed import setup_expert_parallel
+from research_lm.distributed import setup_ranks, sharded_experts
 from research_lm.eplb.controller import build_eplb_controller
 from research_lm.kv_cache import KVCacheManager
 from research_lm.memory import num_kv_blocks, profile_peak_activation_bytes
@@ -46,17 +46,21 @@ class LLMEngine:
         self.config = config = config.for_device(device)
         if config.host_threads is not None:
             torch.set_num_threads(config.host_threads)
-        self.ep = setup_expert_parallel(config.eplb_config, device)  # eplb.expert_parallel, under torchrun
-        extra = config.model_extra()
-        if self.ep is not None:  # experts sharded over the ranks, everything else replicated
-            device, extra["ep_group"] = self.ep.device, self.ep.group
+        # tensor_parallel_size > 1 or eplb.expert_parallel, under torchrun
+        self.ranks = setup_ranks(config.tensor_parallel_size, config.eplb_config, device, config.distributed_timeout_s)
+        extra, eplb_config, tp = config.model_extra(), config.eplb_config, None
+        if self.ranks is not None:  # a MoE model's experts shard over the ranks (EP); under TP every layer does
+            device, extra["ep_group"], tp = self.ranks.device, self.ranks.group, self.ranks.tp
+            if tp is not None:
+                extra["eplb"] = sharded_experts(eplb_config, tp.size)
+                eplb_config = extra["eplb"] if eplb_config is not None else None  # the controller's view of it
         path = resolve_model_path(config.model)
         hf_config = load_config(path, trust_remote_code=config.trust_remote_code)
         dtype = config.resolve_dtype(getattr(hf_config, "dtype", None), device)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(
             path, device=device, dtype=dtype, attention_backend=config.attention_backend,
-            trust_remote_code=config.trust_remote_code, extra=extra, load_format=config.load_format,
+            trust_remote_code=config.trust_remote_code, extra=extra, load_format=config.load_format, tp=tp,
         )
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         max_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
@@ -65,6 +69,8 @@ class LLMEngine:
             max_model_len=max_len, dtype=dtype, device=device,
         )
         proposer = None
+        # The drafter is replicated: built without `tp`, it holds whole weights on every rank (where it reads the
+        # target's embedding or LM head, their collectives run on every rank alike)
         if config.speculative_config:
             target = DraftTarget(
                 device=device, dtype=dtype, vocab_size=self.info.vocab_size, hidden_size=self.hf_config.hidden_size,
@@ -89,8 +95,8 @@ class LLMEngine:
             logger.warning("prefix caching is disabled: this model has Mamba layers, whose per-request state "
                            "a cached prefix cannot restore (pass enable_prefix_caching=False to silence this)")
         self.num_blocks = self._size_kv_cache()
-        if self.ep is not None:  # the ranks' schedules must match: the same KV budget everywhere
-            self.num_blocks = self.ep.agree_min(self.num_blocks)
+        if self.ranks is not None:  # the ranks' schedules must match: the same KV budget everywhere
+            self.num_blocks = self.ranks.agree_min(self.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks, dtype)
         # what "auto" chose: layer kind -> backend name (the drafter's layers included)
         self.backends = {layer.spec.kind: layer.backend.name for layer in self.runner.cache_layers}
@@ -99,7 +105,7 @@ class LLMEngine:
         if capture and (reason := self.runner.capture_cuda_graphs(config.cuda_graph_sizes, config.prefill_graph_sizes)):
             logger.warning("CUDA graphs are off: %s; every step runs eagerly", reason)
         # after the KV sizing (its profiling forward must not count as expert load)
-        self.eplb = build_eplb_controller(self.model, config.eplb_config)
+        self.eplb = build_eplb_controller(self.model, eplb_config)
         self.kv_cache = KVCacheManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching and not has_state,
             recompute_last_hit_block=proposer is not None and proposer.needs_last_hit_block_recomputed,
@@ -123,10 +129,13 @@ class LLMEngine:
         self._prompt_text: dict[str, str] = {}  # request id -> the prompt string, when one was given
 
     def _resolve_async_scheduling(self, asked: bool | None, device: torch.device) -> bool:
-        if asked and self.ep is not None:
+        """Expert parallelism alone runs synchronously; tensor parallelism launches ahead too (the ranks agree on
+        rank 0's output of each step when it is collected, over a gloo group that does not wait on the device)."""
+        expert_parallel_only = self.ranks is not None and self.ranks.tp is None
+        if asked and expert_parallel_only:
             raise ValueError("async_scheduling=True does not combine with expert parallelism (rank 0's tokens are "
                              "broadcast every step); leave it unset or False")
-        return self.ep is None and (asked if asked is not None else device.type == "cuda")
+        return not expert_parallel_only and (asked if asked is not None else device.type == "cuda")
 
     def _separate_prefill_tokens(self, asked: bool | None) -> int:
         """The scheduler's `separate_prefill_tokens`: the longest captured prefill graph (None: only where there
@@ -241,7 +250,7 @@ class LLMEngine:
         try:
             finished += self._step()
         except Exception as e:
-            if self.ep is not None:  # the ranks keep one schedule: a recovery on one rank alone would split them
+            if self.ranks is not None:  # the ranks keep one schedule: a recovery on one rank alone would split them
                 raise
             finished += self._recover(e)
         outputs = [self._output(r) for r in finished]
@@ -290,9 +299,9 @@ class LLMEngine:
             ahead = self._launch()
             self._in_flight = ahead if ahead.sched.scheduled else None  # an empty step ran whole in launch
         out = self.runner.collect(collecting)
-        if self.ep is not None:  # rank 0's tokens (and drafts, by value): the ranks' schedules cannot drift apart
+        if self.ranks is not None:  # rank 0's tokens (and drafts, by value): the ranks' schedules cannot drift apart
             self.runner.resolve_drafts()
-            out = self.ep.from_rank0(out)
+            out = self.ranks.from_rank0(out)
         finished = self.scheduler.update_from_output(collecting.sched, out)
         self.metrics.record_step(collecting.sched, out, self.scheduler.stats(), time.perf_counter() - t0)
         return finished

@@ -205,7 +205,8 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         prefill_graph_sizes=_list_or_none(r.get("prefill_graph_sizes")),
         fused_ops=r.get("fused_ops", True), compile=r.get("compile", False),
         async_scheduling=r.get("async_scheduling"), separate_prefills=r.get("separate_prefills"),
-        host_threads=r.get("host_threads"),
+        host_threads=r.get("host_threads"), tensor_parallel_size=r.get("tensor_parallel_size", 1),
+        distributed_timeout_s=r.get("distributed_timeout_s", 300.0),
         load_format=m.get("load_format", "auto"),
     )
 
@@ -317,7 +318,7 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
         llm.generate(workload.prompts[:n], params, use_tqdm=False)
     engine.metrics.reset()
     outputs = serve(engine, workload.prompts, workload.params, workload.arrival_times,
-                    clock=engine.ep.clock if engine.ep is not None else time.perf_counter,  # EP: rank 0's
+                    clock=engine.ranks.clock if engine.ranks is not None else time.perf_counter,  # EP: rank 0's
                     progress=is_main_process())
     metrics = engine.metrics
     if logger is not None:

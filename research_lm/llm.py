@@ -18,17 +18,14 @@ _KNOBS = {f.name for f in fields(EngineConfig)}
 
 class LLM:
     """`LLM(model="tiny-llama", dtype="float32", block_size=16, ...)`; every knob is an `EngineConfig` field,
-    plus vLLM's `enforce_eager=True` (no CUDA graphs, no torch.compile) and `tensor_parallel_size` (1 only)."""
+    plus vLLM's `enforce_eager=True` (no CUDA graphs, no torch.compile). With `tensor_parallel_size=N` the script
+    runs under `torchrun --nproc-per-node N`, every rank building its `LLM` alike (research_lm/distributed.py)."""
 
-    def __init__(self, model: str = "tiny-llama", *, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 **kwargs: Any):
+    def __init__(self, model: str = "tiny-llama", *, enforce_eager: bool = False, **kwargs: Any):
         unknown = sorted(set(kwargs) - _KNOBS)
         if unknown:
-            valid = sorted((_KNOBS - {"model"}) | {"enforce_eager", "tensor_parallel_size"})
+            valid = sorted((_KNOBS - {"model"}) | {"enforce_eager"})
             raise ValueError(f"unknown LLM argument(s) {unknown}; valid ones: {valid}")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not implemented "
-                             "(one GPU per engine; MoE experts shard over processes with torchrun, see the README)")
         if enforce_eager:
             forced = [k for k in ("cuda_graphs", "compile") if kwargs.get(k)]
             if forced:

@@ -312,8 +312,11 @@ class ModelRunner:
         """With `defer_verification`, a verify step whose proposer drafts behind the verify forward
         (`propose_before_verification`) launches that drafting and returns without waiting for anything: the
         verify's argmax and input ids are on their way to the host, where `collect` verifies, and the drafting
-        left each request's next inputs on the device (`ahead_inputs`). None where the step does not qualify."""
+        left each request's next inputs on the device (`ahead_inputs`). None where the step does not qualify (also
+        where a request asks for logprobs: `collect` verifies from the argmax alone, without the logits)."""
         if not self.defer_verification or outcome.greedy_ids is None or self._plans_on_host:
+            return None
+        if any(r.sampling_params.logprobs is not None for r in outcome.requests):
             return None
         launch = self.proposer.propose_before_verification(outcome)
         if not launch:
@@ -481,7 +484,7 @@ class ModelRunner:
     def _held_tokens(self) -> DeviceTokens | None:
         """Where a step's PLACEHOLDER inputs wait on the device: the last proposal's drafts; or else (async
         scheduling) the next inputs a deferred verify step left, or the last launched step's sampled ids."""
-        if self._pending is not None:
+        if self._pending is not None and self._pending[0].pending is not None:  # (resolved: its drafts are values)
             return self._pending[0].pending.tokens
         return self._ahead if self._ahead is not None else self._last_sampled
 

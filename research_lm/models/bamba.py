@@ -107,6 +107,8 @@ class BambaModel(nn.Module):
 
 @register_model("BambaForCausalLM")
 class BambaForCausalLM(CausalLMShell):
+    tensor_parallel_refusal = "its Mamba2 mixers' SSM heads, B/C groups and gated norm are not split across ranks"
+
     def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
         return BambaModel(hf_config, build)
 

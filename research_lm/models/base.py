@@ -3,8 +3,8 @@
 A model family is one file in this package: a class `Model(hf_config, build)` decorated with
 `@register_model("XForCausalLM", ...)` and listed in `registry.MODELS`. Its parameters are
 named like the Hugging Face checkpoint's tensors (after stacking, see `load_params`), and each one
-carries a `weight_loader(param, tensor, shard_id=None)`: the one place a tensor-parallel slicer
-will go.
+carries a `weight_loader(param, tensor, shard_id=None)`: the one place that slices a checkpoint tensor to what
+this tensor-parallel rank holds (`ModelBuildContext.tp`, research_lm/parallel.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from research_lm.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ class ModelBuildContext:
     dtype: torch.dtype  # parameters and activations; rotary tables and softmax stay fp32
     attention_backend: str  # an attention_zoo registry name
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs (MoE/EPLB, Mamba, ...)
+    tp: TensorParallel | None = None  # the tensor-parallel group the layers shard over; None: whole weights
 
 
 class CausalLM(Protocol):

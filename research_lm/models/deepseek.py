@@ -33,6 +33,9 @@ Checkpoints store experts per expert (`mlp.experts.E.{gate,up,down}_proj.weight`
 5.23 write them) or stacked (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); `mlp.gate.weight`,
 `mlp.gate.e_score_correction_bias` (V3) and `mlp.shared_experts.*` (read into `mlp.shared_expert.*`).
 Tensors of layers beyond num_hidden_layers (V3's multi-token-prediction layer) are skipped.
+Tensor parallelism (`build.tp`): the heads split (q_proj / q_b_proj and kv_b_proj by head, o_proj by its input);
+the latent projections, their norms and the latent cache are replicated, as in vLLM: the cache holds one latent
+"head" that every query head reads, so there is nothing per head to split, and each rank keeps the whole of it.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from research_lm.moe.config import MoeOptions
 from research_lm.moe.layer import MoeBlock
 from research_lm.moe.router import RouterConfig
 from research_lm.moe.weights import load_moe_params
+from research_lm.parallel import split_size
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -146,7 +150,7 @@ def make_mlp(hf_config: PretrainedConfig, layer_idx: int, build: ModelBuildConte
     act = getattr(hf_config, "hidden_act", "silu")
     bias = bool(getattr(hf_config, "mlp_bias", False))  # V2 only; V3 configs do not have it
     if not is_moe_layer(hf_config, layer_idx):
-        return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, act, bias)
+        return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, act, bias, build.tp)
     num_shared = getattr(hf_config, "n_shared_experts", None) or 0
     block = MoeBlock(
         hf_config.hidden_size, hf_config.moe_intermediate_size, hf_config.n_routed_experts,
@@ -167,26 +171,28 @@ class DeepseekAttention(nn.Module):
     def __init__(self, hf_config: PretrainedConfig, rope_interleave: bool, build: ModelBuildContext):
         super().__init__()
         hidden, bias = hf_config.hidden_size, getattr(hf_config, "attention_bias", False)
-        self.num_heads = hf_config.num_attention_heads
+        tp, num_heads = build.tp, hf_config.num_attention_heads
+        self.num_heads = split_size(num_heads, tp, "num_attention_heads")  # this rank's heads
         self.q_lora_rank = getattr(hf_config, "q_lora_rank", None)
         self.kv_lora_rank = hf_config.kv_lora_rank
         self.nope_dim, self.rope_dim = hf_config.qk_nope_head_dim, hf_config.qk_rope_head_dim
         self.v_dim = hf_config.v_head_dim
         self.rope_interleave = rope_interleave
-        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        q_out = num_heads * (self.nope_dim + self.rope_dim)  # per head [nope + rope]: column splits are by head
         latent = self.kv_lora_rank + self.rope_dim
+        # The latent (and q_lora's q_c) feed every head: replicated on every rank, like the latent cache
         if self.q_lora_rank:
             self.fused_qkv_a_proj = MergedColumnParallelLinear(
                 hidden, [self.q_lora_rank, latent], bias, shard_ids=("q_a", "kv_a")
             )
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_out, tp=tp)
         else:
-            self.q_proj = ColumnParallelLinear(hidden, q_out)
-            self.kv_a_proj_with_mqa = Linear(hidden, latent, bias)  # replicated: every head reads the latent
+            self.q_proj = ColumnParallelLinear(hidden, q_out, tp=tp)
+            self.kv_a_proj_with_mqa = Linear(hidden, latent, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, hidden, bias)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, num_heads * (self.nope_dim + self.v_dim), tp=tp)
+        self.o_proj = RowParallelLinear(num_heads * self.v_dim, hidden, bias, tp)
         spec = MLASpec.from_dims(
             num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.nope_dim,
             qk_rope_head_dim=self.rope_dim, v_head_dim=self.v_dim, scale=mla_softmax_scale(hf_config),
@@ -236,7 +242,7 @@ class DeepseekModel(LlamaModel):
 
     def __init__(self, hf_config: PretrainedConfig, rope_interleave: bool, build: ModelBuildContext):
         nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, build.tp)
         self.rotary_emb = RotaryEmbedding(
             hf_config.qk_rope_head_dim, rope_parameters(hf_config), hf_config.max_position_embeddings
         )

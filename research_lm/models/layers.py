@@ -4,8 +4,9 @@ RMSNorm, RotaryEmbedding and GatedMLP run fused Triton kernels on CUDA (`researc
 `fused_ops` switch, `set_fused_ops(model, False)` for all); on CPU and under torch.compile, the torch code.
 
 Parameters are created with torch's current default device and dtype: build them inside
-`base.build_scope`. Every parameter gets a `weight_loader`; the `*Parallel*` names say which
-dimension tensor parallelism will split (not implemented yet: today every rank holds everything).
+`base.build_scope`. Every parameter gets a `weight_loader`. The `*Parallel*` layers take an optional
+`TensorParallel` (research_lm/parallel.py): with it they hold this rank's share of the weights, sliced from
+the full checkpoint tensor by their loader, and run the collective their split needs; without it, everything.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from research_lm.models.base import default_weight_loader, set_weight_loader
 from research_lm.ops import apply_rotary, rms_norm_ref, rope_cos_sin, silu_and_mul_ref, use_fused
+from research_lm.parallel import TensorParallel, split_size
 
 
 class RMSNorm(nn.Module):
@@ -181,13 +183,14 @@ def apply_rope(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Linear layers
+# Linear layers (Megatron's split: column-parallel in, row-parallel out, one all-reduce per pair)
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, replicated on every rank. Subclasses differ only in how `weight_loader` slices."""
+    """y = x W^T + b, replicated on every rank. The parallel subclasses hold this rank's share of W (their
+    `weight_loader` slices the checkpoint tensor) and add the collective their split needs."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):  # sizes: this rank's
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
@@ -208,44 +211,127 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class Block(NamedTuple):
+    """One checkpoint projection stacked in a column-parallel weight: its rows in the checkpoint, and the
+    contiguous slice [start, start + size) of them this rank holds."""
+
+    full: int
+    start: int
+    size: int
+
+
+def _column_blocks(sizes: list[int], tp: TensorParallel | None, what: str) -> list[Block]:
+    if tp is None:
+        return [Block(n, 0, n) for n in sizes]
+    return [Block(n, tp.rank * tp.split(n, what), tp.split(n, what)) for n in sizes]
+
+
 class ColumnParallelLinear(Linear):
-    """Tensor parallelism will split the output dim (dim 0 of the weight)."""
+    """Splits the output dim (rows of W, and the bias) over the ranks: each rank computes its columns of y.
+
+    The weight stacks one or more checkpoint projections (`blocks`); each rank holds its slice of each."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TensorParallel | None = None,
+                 *, blocks: list[Block] | None = None):
+        self.blocks = blocks or _column_blocks([output_size], tp, "output size")
+        super().__init__(input_size, sum(b.size for b in self.blocks), bias)
+
+    def _slice(self, tensor: torch.Tensor, block: Block) -> torch.Tensor:  # this rank's rows of one projection
+        if tensor.shape[0] != block.full:
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit parameter of shape "
+                             f"{(block.full, *tensor.shape[1:])}")
+        return tensor.narrow(0, block.start, block.size)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
+        """shard_id None: the whole stacked tensor (every block, in order)."""
+        full = [b.full for b in self.blocks]
+        if tensor.shape[0] != sum(full):
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit a stacked output of {sum(full)} rows")
+        parts = [self._slice(t, b) for t, b in zip(tensor.split(full), self.blocks, strict=True)]
+        default_weight_loader(param, parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 class RowParallelLinear(Linear):
-    """Tensor parallelism will split the input dim (dim 1 of the weight) and all-reduce the output."""
+    """Splits the input dim (columns of W) over the ranks: each rank's x holds its share of the features
+    (a column-parallel layer's output), the partial products are all-reduced, then the bias is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TensorParallel | None = None):
+        self.tp = tp
+        self.full_input_size = input_size
+        super().__init__(split_size(input_size, tp, "input size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
+        if self.tp is not None and param is self.weight:
+            if tensor.dim() != 2 or tensor.shape[1] != self.full_input_size:
+                raise ValueError(f"shape {tuple(tensor.shape)} does not fit a weight of {self.full_input_size} "
+                                 "input features")
+            tensor = tensor.narrow(1, self.tp.rank * self.input_size, self.input_size)
+        default_weight_loader(param, tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input_size] (this rank's) -> [..., output_size]
+        if self.tp is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of one input stacked on the output dim (e.g. gate_up_proj).
+    """Several column-parallel projections of one input stacked on the output dim (e.g. gate_up_proj), each
+    split over the ranks on its own: rank r holds [gate_r; up_r].
 
-    The checkpoint holds them separately; shard id i loads the i-th block of rows.
+    The checkpoint holds them separately; shard id i loads the i-th block of rows. With tp None the stack is
+    replicated (DeepSeek's fused q_a / kv_a projection, which every head reads).
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, shard_ids: tuple = ()):
-        self.output_sizes = list(output_sizes)
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, shard_ids: tuple = (),
+                 tp: TensorParallel | None = None, *, blocks: list[Block] | None = None):
         self.shard_names = tuple(shard_ids) or tuple(range(len(output_sizes)))
-        super().__init__(input_size, sum(output_sizes), bias)
+        blocks = blocks or _column_blocks(list(output_sizes), tp, "output size")
+        super().__init__(input_size, sum(output_sizes), bias, blocks=blocks)
 
     def _shard_ids(self) -> tuple:
         return self.shard_names
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is None:  # a checkpoint that already stores the stacked tensor
-            default_weight_loader(param, tensor)
+            super().weight_loader(param, tensor)
             return
         index = self.shard_names.index(shard_id)
-        offset = sum(self.output_sizes[:index])
-        default_weight_loader(param.data.narrow(0, offset, self.output_sizes[index]), tensor)
+        offset = sum(b.size for b in self.blocks[:index])
+        block = self.blocks[index]
+        default_weight_loader(param.data.narrow(0, offset, block.size), self._slice(tensor, block))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections stacked: output = [num_heads + 2 * num_kv_heads] * head_size."""
+    """q, k and v projections stacked: output = [num_heads + 2 * num_kv_heads] * head_size (this rank's heads).
 
-    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        self.head_size, self.num_heads, self.num_kv_heads = head_size, num_heads, num_kv_heads
-        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
-        super().__init__(hidden_size, sizes, bias, shard_ids=("q", "k", "v"))
+    Under tensor parallelism each rank takes num_heads / N query heads and num_kv_heads / N KV heads; with
+    fewer KV heads than ranks each rank holds the one KV head its query heads read (replicated, as in vLLM)."""
+
+    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 tp: TensorParallel | None = None):
+        self.head_size = head_size
+        self.num_heads = split_size(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads, kv_start = kv_heads_of_rank(num_kv_heads, tp)
+        q_full, kv_full = num_heads * head_size, num_kv_heads * head_size
+        q = Block(q_full, (tp.rank if tp else 0) * self.num_heads * head_size, self.num_heads * head_size)
+        kv = Block(kv_full, kv_start * head_size, self.num_kv_heads * head_size)
+        super().__init__(hidden_size, [q_full, kv_full, kv_full], bias, shard_ids=("q", "k", "v"),
+                         blocks=[q, kv, kv])
+
+
+def kv_heads_of_rank(num_kv_heads: int, tp: TensorParallel | None) -> tuple[int, int]:
+    """(how many KV heads this rank holds, the first one's index): num_kv_heads / N of them, or, with fewer KV
+    heads than ranks, the one its query heads read (rank r of N: KV head r * num_kv_heads // N)."""
+    if tp is None:
+        return num_kv_heads, 0
+    if num_kv_heads % tp.size and tp.size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) neither divides nor is divisible by "
+                         f"tensor_parallel_size ({tp.size})")
+    if num_kv_heads >= tp.size:
+        local = num_kv_heads // tp.size
+        return local, tp.rank * local
+    return 1, tp.rank * num_kv_heads // tp.size
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,39 +339,64 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding table [vocab, hidden]; tensor parallelism will split the vocab dim."""
+    """Token embedding table [vocab, hidden]; under tensor parallelism rank r holds rows [r V/N, (r+1) V/N):
+    it looks up the ids in its range, zeros the others, and the all-reduce sums the one non-zero row per id."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-        set_weight_loader(self.weight, default_weight_loader)
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        local = split_size(num_embeddings, tp, "vocab_size")
+        self.vocab_start = tp.rank * local if tp is not None else 0
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim))
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
+        if self.tp is not None:
+            if tensor.shape[0] != self.num_embeddings:
+                raise ValueError(f"shape {tuple(tensor.shape)} does not fit a vocabulary of {self.num_embeddings}")
+            tensor = tensor.narrow(0, self.vocab_start, param.shape[0])
+        default_weight_loader(param, tensor)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
-        return F.embedding(input_ids, self.weight)
+        if self.tp is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])  # [num_tokens]
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[:, None]
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection [vocab, hidden]; used through `compute_logits`, never called."""
+    """Output projection [vocab, hidden], split on the vocab like the embedding; used through
+    `compute_logits`, never called."""
 
 
 def compute_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-    """Works for a `ParallelLMHead` and for a tied `VocabParallelEmbedding`."""
-    return F.linear(hidden, lm_head.weight).float()
+    """Works for a `ParallelLMHead` and for a tied `VocabParallelEmbedding`; under tensor parallelism each rank
+    computes its vocabulary slice and the all-gather gives every rank the whole row (so every rank samples the
+    same tokens from the same logits)."""
+    logits = F.linear(hidden, lm_head.weight)
+    tp = getattr(lm_head, "tp", None)
+    return (logits if tp is None else tp.all_gather(logits)).float()
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up as one merged projection."""
+    """down(act(gate(x)) * up(x)), gate and up as one merged projection; under tensor parallelism each rank
+    holds intermediate_size / N of the columns (gate_up column-parallel, down row-parallel)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False,
+                 tp: TensorParallel | None = None):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: ['silu']")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        split_size(intermediate_size, tp, "intermediate_size")  # the config's name in the error
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
         self.fused_ops = True  # silu(gate) * up in one Triton kernel on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate (this rank's)]
         if use_fused(self, gate_up):
             from research_lm.ops.silu_and_mul import silu_and_mul
 

@@ -5,6 +5,8 @@
 - Qwen3: `attention_bias` on q/k/v/o, and an RMSNorm per head on q and k before RoPE.
 Sliding windows follow `config.layer_types` when present, else Qwen's `use_sliding_window` +
 `max_window_layers`, else `sliding_window` on every layer (see `layer_sliding_windows`).
+Tensor parallelism (`build.tp`): each rank holds num_heads / N query heads and their KV heads (see
+`QKVParallelLinear`), intermediate_size / N MLP columns and vocab_size / N embedding and LM-head rows.
 """
 
 from __future__ import annotations
@@ -79,12 +81,15 @@ class LlamaAttention(nn.Module):
         build: ModelBuildContext,
     ):
         super().__init__()
-        hidden = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        hidden, num_heads = hf_config.hidden_size, hf_config.num_attention_heads
         self.head_size = head_size(hf_config)
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, self.num_heads, self.num_kv_heads, variant.qkv_bias)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_size, hidden, variant.o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_size, num_heads, getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            variant.qkv_bias, build.tp,
+        )
+        # this rank's heads (all of them without tensor parallelism): the KV cache holds only these
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_size, hidden, variant.o_bias, build.tp)
         self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps) if variant.qk_norm else None
         spec = AttentionSpec(
@@ -148,7 +153,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         attn = LlamaAttention(hf_config, variant, sliding_window, build)
         mlp = GatedMLP(
             hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "hidden_act", "silu"),
-            variant.mlp_bias,
+            variant.mlp_bias, build.tp,
         )
         super().__init__(hf_config.hidden_size, hf_config.rms_norm_eps, attn, mlp)
 
@@ -156,7 +161,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: PretrainedConfig, variant: LlamaVariant, build: ModelBuildContext):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, build.tp)
         self.rotary_emb = RotaryEmbedding(
             head_size(hf_config), rope_parameters(hf_config), hf_config.max_position_embeddings
         )
@@ -184,6 +189,8 @@ class LlamaModel(nn.Module):
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
 class LlamaForCausalLM(CausalLMShell):
+    tensor_parallel = True  # heads, KV heads, MLP columns and vocabulary split over `build.tp`
+
     @classmethod
     def variant(cls, hf_config: PretrainedConfig) -> LlamaVariant:
         attention_bias = getattr(hf_config, "attention_bias", False)

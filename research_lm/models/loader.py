@@ -17,6 +17,7 @@ from torch import nn
 
 from research_lm.models.base import CheckpointError, ModelBuildContext
 from research_lm.models.registry import resolve_architecture
+from research_lm.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -82,8 +83,10 @@ def load_model(
     trust_remote_code: bool = False,
     extra: dict[str, Any] | None = None,
     load_format: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
-    """Build the registered model for the checkpoint at `path` and load its weights (no grad, eval).
+    """Build the registered model for the checkpoint at `path` and load its weights (no grad, eval); with `tp`,
+    this rank's share of them, each layer's loader slicing the full checkpoint tensors.
 
     load_format "dummy" (vLLM's name) draws random weights instead (`init_random_weights`): `path`
     then needs only a config.json. For speed runs of real shapes without the weights."""
@@ -93,7 +96,8 @@ def load_model(
         resolve_architecture(hf_config)
     except ValueError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from e
-    model = build_model(hf_config, device=device, dtype=dtype, attention_backend=attention_backend, extra=extra)
+    model = build_model(hf_config, device=device, dtype=dtype, attention_backend=attention_backend, extra=extra,
+                        tp=tp)
     if load_format == "dummy":
         init_random_weights(model)
         return model, hf_config
@@ -114,11 +118,13 @@ def build_model(
     dtype: torch.dtype,
     attention_backend: str,
     extra: dict[str, Any] | None = None,
+    tp: TensorParallel | None = None,
 ) -> nn.Module:
     """The registered model for `hf_config` on `device` in `dtype`, eval, no grad, weights uninitialized:
-    load them (`model.load_weights`) or draw them (`init_random_weights`, for speed runs)."""
+    load them (`model.load_weights`) or draw them (`init_random_weights`, for speed runs). With `tp`, this
+    tensor-parallel rank's share of the layers."""
     _, model_cls = resolve_architecture(hf_config)
-    build = ModelBuildContext(torch.device(device), dtype, attention_backend, dict(extra or {}))
+    build = ModelBuildContext(torch.device(device), dtype, attention_backend, dict(extra or {}), tp)
     with torch.no_grad():
         model = model_cls(hf_config, build)
     model.requires_grad_(False)

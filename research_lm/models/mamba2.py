@@ -203,6 +203,8 @@ class Mamba2ForCausalLM(CausalLMShell):
 
     backbone_attr = "backbone"
     embeddings_attr = "embeddings"
+    # vLLM splits the SSM heads and B/C groups of in_proj, conv1d and the gated norm; not done here yet
+    tensor_parallel_refusal = "its Mamba2 mixers' SSM heads, B/C groups and gated norm are not split across ranks"
 
     def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
         return Mamba2Model(hf_config, build)

@@ -33,6 +33,7 @@ from research_lm.moe.config import MoeOptions
 from research_lm.moe.layer import MoeBlock
 from research_lm.moe.router import RouterConfig
 from research_lm.moe.weights import HF_EXPERT_PROJS, MIXTRAL_EXPERT_PROJS, load_moe_params
+from research_lm.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -57,7 +58,7 @@ class MoeLlamaModel(LlamaModel):
         make_mlp: Callable[[int], nn.Module],
     ):
         nn.Module.__init__(self)  # NOTE: LlamaModel.__init__ would build dense decoder layers
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, build.tp)
         self.rotary_emb = RotaryEmbedding(
             head_size(hf_config), rope_parameters(hf_config), hf_config.max_position_embeddings
         )
@@ -77,9 +78,12 @@ class MoeCausalLM(LlamaForCausalLM):
 
     def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
         options = MoeOptions.from_extra(build.extra, build.device)
-        return MoeLlamaModel(hf_config, self.variant(hf_config), build, lambda i: self.make_mlp(hf_config, i, options))
+        return MoeLlamaModel(hf_config, self.variant(hf_config), build,
+                             lambda i: self.make_mlp(hf_config, i, options, build.tp))
 
-    def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int, options: MoeOptions) -> nn.Module:
+    def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int, options: MoeOptions,
+                 tp: TensorParallel | None) -> nn.Module:
+        """Layer `layer_idx`'s MLP; a dense one splits over `tp`, a MoE block's experts over `options.ep_group`."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -98,7 +102,8 @@ class MixtralForCausalLM(MoeCausalLM):
     def variant(cls, hf_config: PretrainedConfig) -> LlamaVariant:
         return LlamaVariant()
 
-    def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int, options: MoeOptions) -> nn.Module:
+    def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int, options: MoeOptions,
+                 tp: TensorParallel | None) -> nn.Module:
         router = RouterConfig(top_k=hf_config.num_experts_per_tok, renormalize=True)
         return MoeBlock(
             hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_local_experts, router, options,

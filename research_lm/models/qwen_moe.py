@@ -21,6 +21,7 @@ from research_lm.models.registry import register_model
 from research_lm.moe.config import MoeOptions
 from research_lm.moe.layer import MoeBlock
 from research_lm.moe.router import RouterConfig
+from research_lm.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -36,10 +37,11 @@ def is_sparse_layer(hf_config: PretrainedConfig, layer_idx: int) -> bool:
 class QwenMoeCausalLM(MoeCausalLM):
     shared_expert: bool = False
 
-    def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int, options: MoeOptions) -> nn.Module:
+    def make_mlp(self, hf_config: PretrainedConfig, layer_idx: int, options: MoeOptions,
+                 tp: TensorParallel | None) -> nn.Module:
         act = getattr(hf_config, "hidden_act", "silu")
         if not is_sparse_layer(hf_config, layer_idx):
-            return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, act)
+            return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, act, tp=tp)
         router = RouterConfig(top_k=hf_config.num_experts_per_tok, renormalize=bool(hf_config.norm_topk_prob))
         shared = hf_config.shared_expert_intermediate_size if self.shared_expert else 0
         return MoeBlock(

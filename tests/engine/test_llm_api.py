@@ -112,7 +112,7 @@ def test_bad_arguments_name_the_field():
         LLM("/nonexistent/checkpoint")
     with pytest.raises(ValueError, match="enforce_eager=True contradicts cuda_graphs=True"):
         LLM("tiny-llama", enforce_eager=True, cuda_graphs=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism is not implemented"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs one process per rank: launch with torchrun"):
         LLM("tiny-llama", tensor_parallel_size=2)
 
 
