@@ -54,7 +54,11 @@
 # proposers found through the entry point, the Proposer base class and DraftTarget): run `tests` first next session.
 # Session 21 (one H200) ran `tests` at acb4f9a (101 passed: every GPU backend now replays from graphs, FlashInfer
 # included), test_draft_graphs + test_spec_greedy_identity at d81e102 (hidden-state taps by hooks),
-# attention_ablation_h200, mla_h200, mamba_h200 and experiments/ab_commits.py against 27437bc.
+# attention_ablation_h200, mla_h200, mamba_h200 and experiments/ab_commits.py against 27437bc; after tensor parallelism
+# landed (a410463's tree) the graph / spec-identity / draft-graph GPU tests at TP = 1. Never run on a GPU yet: NCCL
+# tensor parallelism (on nvidia-h100-x2: `pytest -m gpu tests/models/test_tensor_parallel.py tests/moe/test_engine_ep.py`,
+# then `torchrun --nproc-per-node 2 experiments/bench_tensor_parallel.py --shape llama-3.1-8b --batch 1 64 --steps 64
+# --warmup 8 --repeats 3`), suffix decoding and disable_by_batch_size on CUDA, the EPLB lplb dispatch on NCCL.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
