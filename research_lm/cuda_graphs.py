@@ -291,7 +291,7 @@ class DecodeGraphs:
             out = model(input_ids, positions, metadata)
             if logits_too:
                 logits = self.logits[:t]
-                logits.copy_(self.compute_logits(out))  # out: [t, hidden]  # the buffer: every graph writes it
+                logits.copy_(self.compute_logits(out))  # out [t, hidden]; the buffer: every graph writes it
                 torch.argmax(logits, dim=-1, out=self.greedy_ids[:t])
             return out
 
