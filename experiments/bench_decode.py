@@ -43,6 +43,7 @@ import argparse
 import random
 import statistics
 import time
+import types
 from collections import defaultdict
 from typing import Any
 
@@ -63,6 +64,8 @@ from bench_common import (
     sync,
     weight_bytes,
 )
+
+import research_lm.runner as runner_module
 
 NAME = "bench_decode"
 DEFAULT_SHAPE = "llama-3.2-1b"
@@ -141,9 +144,10 @@ def forward_alone_ms(engine, device: torch.device) -> float:
 def stage_profile(engine, prompts: list[list[int]], steps: int, device: torch.device) -> dict[str, float]:
     """Mean ms per decode step in each stage, a device sync closing each stage."""
     runner, sched = engine.runner, engine.scheduler
-    stages = [("schedule", sched, "schedule"), ("prepare_inputs", runner, "_prepare_inputs"),
+    stages = [("schedule", sched, "schedule"), ("prepare_inputs", runner_module, "prepare_step_inputs"),
               ("forward (eager)", runner.model, "forward"), ("forward (graph replay)", runner.cuda_graphs, "replay"),
-              ("logits", runner.model, "compute_logits"), ("sample", runner, "_launch_sampling"),
+              ("logits", runner.model, "compute_logits"), ("sample", runner, "_sample_or_verify"),
+              ("advance the tables", runner.state, "advance"),
               ("collect (wait for the ids)", runner, "collect"),
               ("update_from_output", sched, "update_from_output"),
               ("metrics", engine.metrics, "record_step")]  # fmt: skip
@@ -163,7 +167,7 @@ def stage_profile(engine, prompts: list[list[int]], steps: int, device: torch.de
 
         return wrapper
 
-    patched = [(obj, attr) for _, obj, attr in stages if obj is not None]
+    patched = [(obj, attr, getattr(obj, attr)) for _, obj, attr in stages if obj is not None]
     for name, obj, attr in stages:
         if obj is not None:
             setattr(obj, attr, timed(name, getattr(obj, attr)))
@@ -188,8 +192,11 @@ def stage_profile(engine, prompts: list[list[int]], steps: int, device: torch.de
             engine.step()
     finally:
         engine.__dict__.pop("step", None)
-        for obj, attr in patched:
-            obj.__dict__.pop(attr, None)
+        for obj, attr, fn in patched:  # a module's function is put back; an instance's wrapper goes
+            if isinstance(obj, types.ModuleType):
+                setattr(obj, attr, fn)
+            else:
+                obj.__dict__.pop(attr, None)
     out = {k: v / steps * 1e3 for k, v in totals.items()}
     out["other (metadata, outputs, engine)"] = out["step (total)"] - sum(
         v for k, v in out.items() if k != "step (total)"

@@ -26,14 +26,11 @@ eagle3 step took ~1.4 ms for ~0.65 ms of GPU work (PERFORMANCE.md, eighth pass).
 To A/B a change, give it a runtime switch and alternate the switch inside one process. Two processes running
 the same code differed by up to 1.4x in ms/token on that machine, while their phase times agreed within ~10 %.
 
-Same-process A/B rows: "plain general inputs" and "<method> general inputs" prepare graph steps' inputs on the
-general path (`ModelRunner.uniform_inputs` off: numpy over the batch, a copy per buffer, a device gather of the
-tokens still there) instead of one staged copy and one kernel (research_lm/ops/graph_step_inputs.py); "... inputs
-launched" launch that kernel every step instead of replaying it from a small graph. And for eagle3:
-- greedy: "eagle3 synced" waits for each step's drafts inside `propose`, as every step did before drafts stayed
-  on the device (`research_lm.spec.PendingDrafts`); "eagle3 verify first" never drafts before verification
-  (`EagleProposer.propose_before_verification` declines), so the host verifies, then stages the drafting, as
-  every step did before the "verified" draft graph;
+Same-process A/B rows: "... inputs launched" launch the step-input gather kernel (research_lm/ops/step_inputs.py)
+every step instead of replaying it from a small graph; and for eagle3:
+- greedy: "eagle3 verify first" never drafts at launch (`EagleProposer.propose_on_device` declines), so the
+  proposer drafts at collect, once the host has the step's tokens, as every step did before the "verified" draft
+  graph (and no step is launched ahead of it);
 - `--temperature` above 0: "eagle3 torch rejection" runs with `research_lm.ops.FUSED_DEVICE_TYPES` emptied, so
   the rejection sampler takes its torch path instead of its kernel (research_lm/ops/rejection_kernel.py). The
   graphs keep the kernels they captured; what else runs eagerly at T = 1 is the plain sampler's race at prompt
@@ -89,44 +86,22 @@ def instrument(llm: LLM) -> PhaseTimer:
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     engine.scheduler.update_from_output = timer.wrap("update", engine.scheduler.update_from_output)
     engine.metrics.record_step = timer.wrap("metrics", engine.metrics.record_step)
-    runner._prepare_inputs = timer.wrap("prepare", runner._prepare_inputs)
-    if runner.proposer is not None:
-        runner.proposer.propose = timer.wrap("propose", runner.proposer.propose)
+    if runner.proposer is not None:  # drafting at launch or at collect
+        for name in ("propose_on_device", "propose"):
+            setattr(runner.proposer, name, timer.wrap("propose", getattr(runner.proposer, name)))
     return timer
 
 
-def sync_drafts(llm: LLM) -> LLM:
-    """The A/B switch: `propose` returns only once its drafts reach the host, so the next step's input
-    carries them as values and no drafting overlaps the host's work."""
-    proposer = llm.engine.runner.proposer
-    propose = proposer.propose
-
-    def synced(outcome):
-        proposal = propose(outcome)
-        proposal.resolve()
-        return proposal
-
-    proposer.propose = synced
-    return llm
-
-
 def verify_first(llm: LLM) -> LLM:
-    """The A/B switch: the proposer never drafts before the host has verified the step."""
-    llm.engine.runner.proposer.propose_before_verification = lambda outcome: None
-    return llm
-
-
-def general_inputs(llm: LLM) -> LLM:
-    """The A/B switch: graph steps prepare their inputs on the general path (numpy over the batch, a copy per
-    buffer, a device gather of the tokens still there), not in one staged copy (`ModelRunner._prepare_uniform`)."""
-    llm.engine.runner.uniform_inputs = False
+    """The A/B switch: the proposer never drafts at launch, before the host has the step's tokens."""
+    llm.engine.runner.proposer.propose_on_device = lambda outcome: None
     return llm
 
 
 def inputs_launched(llm: LLM) -> LLM:
-    """The A/B switch: the one-copy path launches its Triton kernel every step instead of replaying it from a small
-    graph (`research_lm.ops.graph_step_inputs.GraphStepInputs`)."""
-    llm.engine.runner.input_graphs = 0
+    """The A/B switch: the step-input gather kernel launches every step instead of replaying from a small graph
+    (`research_lm.ops.step_inputs.StepInputWriter`)."""
+    llm.engine.runner._write_inputs.max_graphs = 0
     return llm
 
 
@@ -149,13 +124,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     name = args.name or NAME
     engines = {"plain": build(args, None), args.method: build(args, SPECS[args.method])}
-    engines["plain general inputs"] = general_inputs(build(args, None))
     engines["plain inputs launched"] = inputs_launched(build(args, None))
     engines[f"{args.method} inputs launched"] = inputs_launched(build(args, SPECS[args.method]))
-    engines[f"{args.method} general inputs"] = general_inputs(build(args, SPECS[args.method]))
     torch_rejection = f"{args.method} torch rejection"
     if args.method == "eagle3" and args.temperature == 0.0:
-        engines[f"{args.method} synced"] = sync_drafts(build(args, SPECS[args.method]))
         engines[f"{args.method} verify first"] = verify_first(build(args, SPECS[args.method]))
     elif args.method == "eagle3":
         engines[torch_rejection] = build(args, SPECS[args.method])
@@ -163,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.batch, len(PROMPTS)))]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
     fused = research_lm.ops.FUSED_DEVICE_TYPES
-    verify = runner_module.verify_drafts
+    verify, prepare = runner_module.verify_drafts, runner_module.prepare_step_inputs
     for llm in engines.values():  # warm-up: kernels of every shape the measured runs take
         llm.generate(prompts, params, use_tqdm=False)
 
@@ -172,14 +144,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for run, llm in engines.items():
             timer = timers[run]
             timer.times.clear()
-            runner_module.verify_drafts = timer.wrap("verify", verify)  # a module function: patched per engine
+            runner_module.verify_drafts = timer.wrap("verify", verify)  # module functions: patched per engine
+            runner_module.prepare_step_inputs = timer.wrap("prepare", prepare)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             research_lm.ops.FUSED_DEVICE_TYPES = () if run == torch_rejection else fused
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
-            runner_module.verify_drafts = verify
+            runner_module.verify_drafts, runner_module.prepare_step_inputs = verify, prepare
             research_lm.ops.FUSED_DEVICE_TYPES = fused
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             row = {"run": run, "batch": args.batch, "ms_per_token": seconds * 1e3 / tokens, "tau": _tau(outputs)}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 
@@ -40,12 +38,9 @@ class StepBuffers:
         self.num_computed = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
         self.request_rows = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)  # [R]
         self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
-        # A uniform graph step's inputs in one copy (`ModelRunner._prepare_uniform`): per token its value, or
-        # -1 - its index in the device tokens holding it; then per request its start position, then its row; then n;
-        # then, for a step launched before the last was verified, per request its index in the start shifts.
-        self.staging = CpuGpuBuffer(max_num_tokens + 3 * max_num_reqs + 1, dtype=torch.int64, device=device)
-        # PLACEHOLDER inputs: token rows [:h], then the flat index of each one's token in its `DeviceTokens` [h:2h]
-        self.holes = CpuGpuBuffer(2 * max_num_tokens, dtype=torch.int64, device=device)
+        # A step's counts in one host -> device copy (research_lm/step_inputs.py): for a step padded to b requests,
+        # [table row (b) | query_start_loc (b + 1) | computed-count delta (b) | samples (b) | logits rows].
+        self.staging = CpuGpuBuffer(4 * max_num_reqs + 1 + max_num_tokens, dtype=torch.int64, device=device)
 
     def copy_block_table(self, num_reqs: int, num_cols: int) -> torch.Tensor:
         """Copy only the live corner of the block table; kernels read rows through their stride."""
@@ -55,24 +50,9 @@ class StepBuffers:
         return bt.gpu[:num_reqs]
 
 
-@dataclass
-class DeviceTokens:
-    """Tokens on the device that the host has not seen yet (sampled by a launched step, or drafted): a
-    request's j-th one is ids[first[request id] + j * stride]."""
-
-    ids: torch.Tensor  # 1-D
-    first: dict[str, int]
-    stride: int = 1
-    # A speculative step's next inputs (its newest token, then its drafts), left before the host knows how many
-    # drafts it accepted: the host stages each request's next start as if it accepted all of them, and the request's
-    # true start is that plus start_shift[first[request id]] (<= 0).
-    start_shift: torch.Tensor | None = None
-
-
-
 class HostIds:
-    """Sampled token ids on their way to pinned host memory, without waiting for them: two buffers (and
-    events) alternate, since `collect` reads one step's ids while the next step's are being copied."""
+    """A step's results (int64) on their way to pinned host memory, without waiting for them: two buffers (and
+    events) alternate, since `collect` reads one step's while the next step's are being copied."""
 
     def __init__(self, max_num_tokens: int, device: torch.device):
         pin = device.type == "cuda"
@@ -81,7 +61,7 @@ class HostIds:
         self.next = 0
 
     def start_copy(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Enqueue ids [n] -> host; the host view, and the event that fires when it holds them (CPU: None)."""
+        """Enqueue ids [n] int64 -> host; the host view, and the event that fires when it holds them (CPU: None)."""
         host, event = self.buffers[self.next][: len(ids)], self.events[self.next]
         self.next ^= 1
         host.copy_(ids, non_blocking=event is not None)

@@ -337,8 +337,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()  # as at capture: the graph metadata's tensors are inference tensors
     def replay(self, key: tuple[int, int], common: CommonAttentionMetadata) -> GraphStep:
-        """Replay the graph of `key` for the step of record `common`, over step buffers already padded to its size
-        and copied (the runner's `_prepare_inputs` does both); each backend first refreshes its graph metadata
+        """Replay the graph of `key` for the step of record `common`, over step buffers already written and padded to
+        its size (research_lm/step_inputs.py's gather); each backend first refreshes its graph metadata
         (`AttentionBackend.prepare_replay`). Token rows 0 .. num_tokens of the outputs, valid until the next replay."""
         for backend, metadata in self._metadata[key]:
             backend.prepare_replay(metadata, common)

@@ -121,7 +121,6 @@ class LLMEngine:
             disable_by_batch_size=(config.speculative_config or {}).get("disable_by_batch_size"),
         )
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device)
-        self.runner.defer_verification = self.async_scheduling
         self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
@@ -299,22 +298,18 @@ class LLMEngine:
             ahead = self._launch()
             self._in_flight = ahead if ahead.sched.scheduled else None  # an empty step ran whole in launch
         out = self.runner.collect(collecting)
-        if self.ranks is not None:  # rank 0's tokens (and drafts, by value): the ranks' schedules cannot drift apart
-            self.runner.resolve_drafts()
+        if self.ranks is not None:  # rank 0's tokens: the ranks' schedules cannot drift apart
             out = self.ranks.from_rank0(out)
         finished = self.scheduler.update_from_output(collecting.sched, out)
         self.metrics.record_step(collecting.sched, out, self.scheduler.stats(), time.perf_counter() - t0)
         return finished
 
     def _can_launch_ahead(self, step: PendingStep) -> bool:
-        """Without a proposer: whenever scheduling cannot preempt. With one, only after a verify step that left
-        its requests' next inputs on the device (its verification deferred to `collect`): a step of other
-        tokens would need its drafts' or its tokens' values on the host."""
-        if not self.scheduler.has_unfinished_requests():
+        """When the runner's step left the host nothing to do first (`ModelRunner.continues_on_device`) and
+        scheduling cannot preempt; with a proposer, the scheduler's rules for a step ahead of verification too."""
+        if not self.scheduler.has_unfinished_requests() or not self.runner.continues_on_device(step):
             return False
-        if self.runner.proposer is None:
-            return self.scheduler.can_schedule_ahead()
-        return self.runner.continues_on_device(step) and self.scheduler.can_schedule_ahead(step.sched)
+        return self.scheduler.can_schedule_ahead(None if self.runner.proposer is None else step.sched)
 
     def _launch(self) -> PendingStep:
         sched = self.scheduler.schedule()

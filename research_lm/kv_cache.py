@@ -208,7 +208,7 @@ class KVCacheManager:
         """Register the hashes of the request's blocks that are full of computed real tokens.
 
         `num_computed_tokens` must not exceed `request.num_tokens` (drafts are never cached); tokens past the
-        known ones (async scheduling's placeholders) wait until their ids are known."""
+        known ones (async scheduling's outputs in flight) wait until their ids are known."""
         if not self.enable_prefix_caching:
             return
         assert num_computed_tokens <= request.num_tokens, "only real (non-draft) tokens can be cached"
@@ -233,7 +233,7 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         prompt, output = request.prompt_token_ids, request.output_token_ids
         n_prompt = len(prompt)
-        for i in range(len(hashes), request.num_known_tokens // bs):  # placeholders are not tokens yet
+        for i in range(len(hashes), request.num_known_tokens // bs):  # outputs in flight have no ids here yet
             start, end = i * bs, (i + 1) * bs
             if end <= n_prompt:
                 tokens = tuple(prompt[start:end])

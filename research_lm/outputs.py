@@ -12,7 +12,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, drafts included
     block_ids: list[int]  # the request's whole block table after this step's allocation
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step (a suffix)
+    num_spec_tokens: int = 0  # draft slots verified this step (its last tokens)
 
 
 @dataclass
@@ -34,8 +34,8 @@ class RunnerOutput:
     # the known tokens, [t] for plain decoding, up to k+1 for verified drafts.
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, Logprob]]] | None = None  # per request, per emitted token
-    num_draft_tokens: list[int] | None = None  # drafts verified per request this step
-    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for next step
+    num_draft_tokens: list[int] | None = None  # real drafts verified per request this step
+    num_proposed: dict[str, int] = field(default_factory=dict)  # request id -> draft slots for its next step
     # Host wall time of the step's two speculative phases (None when the phase did not run): verify =
     # input prep + target forward + rejection sampling of a step whose batch verified drafts, up to the
     # `.tolist()` of the emitted tokens (a deferred verify step under async scheduling: from its launch to its

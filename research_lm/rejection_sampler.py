@@ -27,6 +27,8 @@ work (research_lm/ops/rejection_kernel.py), with this module's torch code as its
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -37,67 +39,151 @@ from research_lm.sampler import race
 PLACEHOLDER_TOKEN_ID = -1
 
 
+class _HostPlan(NamedTuple):
+    """What depends only on host values (the layout, the uniforms, the noise keys), for both device paths."""
+
+    num_drafts: np.ndarray  # [num_reqs] int64 k_i, request i's draft slots
+    cu_draft: np.ndarray  # [num_reqs] int64, request i's first draft (and draft_probs) row
+    cu_target: np.ndarray  # [num_reqs] int64, its first target row: cu_draft[i] + i
+    greedy: np.ndarray  # [num_reqs] bool
+    u: np.ndarray  # [num_reqs, K] float32, the acceptance uniform of slot j (ACCEPT stream at position + j)
+    recover_keys: np.ndarray  # [num_reqs, K + 1] uint64, the noise key of a recovery after n_acc accepted drafts
+    sample_keys: np.ndarray  # [num_reqs, K + 1] uint64, the noise key of the bonus after n_acc accepted drafts
+
+
 def rejection_sample(
-    draft_token_ids: list[list[int]],  # per request, k_i drafts (k_i may be 0)
+    draft_token_ids: list[list[int]] | torch.Tensor,  # per request k_i drafts, or [num_reqs, K] int on the device
     target_probs: torch.Tensor,  # [sum(k_i + 1), V] float, processed p; request i's rows contiguous
     draft_probs: torch.Tensor | None,  # [sum(k_i), V] float q, or None: one-hot q on each draft
     greedy: torch.Tensor | list[bool],  # [num_reqs] bool, on the host (it decides what needs noise)
     seeds: list[int],  # [num_reqs] per-request sampling seed
     positions: list[int],  # [num_reqs] output index of each request's first verified position
-) -> torch.Tensor:  # [num_reqs, k_max + 1] int64 on target_probs' device, -1 in slots not emitted
+    *,
+    num_drafts: list[int] | None = None,  # [num_reqs] k_i on the host: the tensor form's layout (required there)
+    num_valid: torch.Tensor | None = None,  # [num_reqs] int on the device: real drafts per request; None: k_i
+) -> torch.Tensor:  # [num_reqs, K + 1] int64 on target_probs' device, -1 in slots not emitted
     """Verify every request's drafts in one batched pass; see the module docstring for the rule.
+
+    Drafts come as host lists (K = the longest), or as a device tensor whose row i holds request i's k_i =
+    `num_drafts[i]` scheduled slots first (K = its width). The prob rows follow the k_i layout either way. Only
+    the first `num_valid[i]` slots hold real drafts (a device drafter may find fewer than it was scheduled);
+    later slots are never accepted, so the result is the list form's for the drafts cut to num_valid[i]: the
+    bonus (SAMPLE stream) when all those are accepted, else the recovery, at the same positions.
 
     Greedy rows only need `target_probs` to be argmax-preserving (one-hot or the processed
     distribution); `draft_probs` rows of greedy requests are ignored. Everything that depends only on
-    the host lists (the row layout, the acceptance uniforms, the noise keys of every possible final
-    token) is computed with numpy and reaches the device in pinned non-blocking copies; the device work
-    is one kernel on CUDA (~30 batched torch kernels elsewhere) whatever the batch, and the caller's
-    `.tolist()` of the result is the only host-device sync.
+    host values (the row layout, the acceptance uniforms, the noise keys of both streams for every n_acc)
+    is computed with numpy and reaches the device in pinned non-blocking copies; which key the final token
+    uses is chosen on the device. The device work is one kernel on CUDA (~30 batched torch kernels
+    elsewhere) whatever the batch, and the caller's `.tolist()` of the result is the only host-device sync.
     """
     device = target_probs.device
-    num_reqs = len(draft_token_ids)
+    k = _num_drafts(draft_token_ids, num_drafts, num_valid, device)
+    num_reqs = len(k)
     greedy_host = np.asarray(greedy.tolist() if isinstance(greedy, torch.Tensor) else greedy, dtype=bool)
-    num_drafts = np.asarray([len(d) for d in draft_token_ids], dtype=np.int64)
-    k_max, total_drafts = int(num_drafts.max(initial=0)), int(num_drafts.sum())
+    k_max = draft_token_ids.shape[1] if isinstance(draft_token_ids, torch.Tensor) else int(k.max(initial=0))
+    total_drafts = int(k.sum())
     assert len(seeds) == len(positions) == len(greedy_host) == num_reqs
     assert target_probs.shape[0] == total_drafts + num_reqs, "need k_i + 1 target rows per request"
     assert draft_probs is None or draft_probs.shape == (total_drafts, target_probs.shape[-1])
-    any_random, any_greedy = not greedy_host.all(), bool(greedy_host.any())
 
-    # --- Host: request i's draft rows start at cu_draft[i], its target rows at cu_target[i] = cu_draft[i] + i;
-    # slot j < k_i of request i is draft j (padding slots point at row 0 and are masked by `valid`). ---
-    cu_draft = np.cumsum(num_drafts) - num_drafts
-    cu_target = cu_draft + np.arange(num_reqs)
-    slot = np.arange(k_max)
-    valid = slot[None, :] < num_drafts[:, None]  # [num_reqs, k_max]
-    drafts = np.zeros((num_reqs, k_max), dtype=np.int64)
-    drafts[valid] = [t for d in draft_token_ids for t in d]
-    # Noise keys of every final token request i might emit, one per n_acc in 0 .. k_max: a recovery draws from
-    # the RECOVER stream at position + n_acc, the bonus (n_acc = k_i) from the plain sampler's SAMPLE stream,
-    # so a zero-draft request gets exactly the token it would sample without speculation.
+    cu_draft = np.cumsum(k) - k
+    drafts = draft_token_ids
+    if not isinstance(drafts, torch.Tensor):  # [num_reqs, K], zeros past k_i
+        drafts = np.zeros((num_reqs, k_max), dtype=np.int64)
+        drafts[np.arange(k_max)[None, :] < k[:, None]] = [t for d in draft_token_ids for t in d]
+    # Noise keys of every final token request i might emit, one per n_acc in 0 .. K: a recovery draws from the
+    # RECOVER stream at position + n_acc, the bonus from the plain sampler's SAMPLE stream, so a zero-draft
+    # request gets exactly the token it would sample without speculation. Where the bonus falls (n_acc =
+    # num_valid[i]) may be known only on the device, so both keys go there.
     seeds_col, pos = np.asarray(seeds, dtype=object)[:, None], np.asarray(positions, dtype=np.int64)[:, None]
-    n_acc_all = np.arange(k_max + 1)[None, :]
-    final_keys = rng.host_keys(seeds_col, pos + n_acc_all, np.where(n_acc_all == num_drafts[:, None], rng.SAMPLE,
-                                                                     rng.RECOVER))  # [num_reqs, k_max + 1]
+    final_pos = pos + np.arange(k_max + 1)[None, :]
     # u < p(x)/q(x) has probability min(1, p(x)/q(x)): one uniform per slot, ACCEPT stream at position + j.
-    u = rng.host_uniform(rng.host_keys(seeds_col, pos + slot, rng.ACCEPT))  # [num_reqs, k_max]
+    plan = _HostPlan(k, cu_draft, cu_draft + np.arange(num_reqs), greedy_host,
+                     rng.host_uniform(rng.host_keys(seeds_col, pos + np.arange(k_max)[None, :], rng.ACCEPT)),
+                     rng.host_keys(seeds_col, final_pos, rng.RECOVER), rng.host_keys(seeds_col, final_pos, rng.SAMPLE))
     if device.type in research_lm.ops.FUSED_DEVICE_TYPES and not torch.compiler.is_compiling():
         from research_lm.ops.rejection_kernel import fused_rejection_sample, pack_host
 
-        packed = pack_host(drafts, u, final_keys, num_drafts, cu_draft, cu_target, greedy_host)
+        host = pack_host(plan.u, plan.recover_keys, plan.sample_keys, plan.num_drafts, plan.cu_draft, plan.cu_target,
+                         plan.greedy)
+        if isinstance(drafts, np.ndarray):  # one pinned copy carries the drafts and the rest
+            up = rng.to_device(torch.from_numpy(np.concatenate([drafts, host], axis=1)), torch.int64, device)
+            drafts, host_t = up[:, :k_max], up[:, k_max:]
+        else:
+            drafts = drafts if drafts.stride(-1) == 1 else drafts.contiguous()
+            host_t = rng.to_device(torch.from_numpy(host), torch.int64, device)
         return fused_rejection_sample(target_probs.float().contiguous(),
                                       None if draft_probs is None else draft_probs.float().contiguous(),
-                                      rng.to_device(torch.from_numpy(packed), torch.int64, device), k_max)
-    target_rows = np.where(valid, cu_target[:, None] + slot, 0)
-    draft_rows = np.where(valid, cu_draft[:, None] + slot, 0)
-    host = np.concatenate([a.reshape(-1).astype(np.int64) for a in (
-        drafts, target_rows, draft_rows, valid, num_drafts, cu_draft, cu_target, greedy_host,
-        final_keys.view(np.int64))])
-    up = rng.to_device(torch.from_numpy(host), torch.int64, device)
-    sizes = [num_reqs * k_max] * 4 + [num_reqs] * 4 + [num_reqs * (k_max + 1)]
-    drafts_t, target_rows_t, draft_rows_t, valid_t, k, cu_draft_t, cu_target_t, greedy_t, keys_t = up.split(sizes)
-    drafts_t, target_rows_t, draft_rows_t = (x.view(num_reqs, k_max) for x in (drafts_t, target_rows_t, draft_rows_t))
-    valid_t, greedy_t = valid_t.view(num_reqs, k_max).bool(), greedy_t.bool()
+                                      drafts, host_t, None if num_valid is None else num_valid.contiguous(), k_max)
+    return _verify(drafts, num_valid, target_probs, draft_probs, plan)
+
+
+def _num_drafts(
+    draft_token_ids: list[list[int]] | torch.Tensor, num_drafts: list[int] | None, num_valid: torch.Tensor | None,
+    device: torch.device,
+) -> np.ndarray:  # [num_reqs] int64 k_i
+    """Each request's draft slots, after checking the drafts' form, `num_drafts` and `num_valid` (host metadata
+    only: nothing here reads a device value)."""
+    if isinstance(draft_token_ids, torch.Tensor):
+        d = draft_token_ids
+        if d.dim() != 2 or d.dtype not in (torch.int32, torch.int64) or d.device != device:
+            raise ValueError(f"draft_token_ids as a tensor must be [num_reqs, k_max] int32 or int64 on {device} "
+                             f"(target_probs' device); got {d.dtype} {tuple(d.shape)} on {d.device}")
+        if num_drafts is None:
+            raise ValueError("num_drafts (each request's scheduled draft slots, on the host) is required when "
+                             "draft_token_ids is a tensor")
+        k = np.asarray(num_drafts, dtype=np.int64)
+        if k.shape != (d.shape[0],) or (k < 0).any() or (k > d.shape[1]).any():
+            raise ValueError(f"num_drafts must give one count in 0..{d.shape[1]} (draft_token_ids' width) for "
+                             f"each of its {d.shape[0]} rows; got {list(num_drafts)}")
+    else:
+        k = np.asarray([len(x) for x in draft_token_ids], dtype=np.int64)
+        if num_drafts is not None and list(num_drafts) != k.tolist():
+            raise ValueError(f"num_drafts {list(num_drafts)} differs from the draft lists' lengths {k.tolist()}; "
+                             "leave it out with lists")
+    if num_valid is not None and (num_valid.shape != (len(k),) or num_valid.device != device
+                                  or num_valid.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"num_valid must be [num_reqs] = [{len(k)}] int32 or int64 on {device}; got "
+                         f"{num_valid.dtype} {tuple(num_valid.shape)} on {num_valid.device}")
+    return k
+
+
+def _verify(
+    drafts: np.ndarray | torch.Tensor,  # [num_reqs, K] int, host (zeros past k_i) or device (anything past n_real)
+    num_valid: torch.Tensor | None,  # [num_reqs] int on the device, or None: k_i
+    target_probs: torch.Tensor,  # [sum(k_i + 1), V] float
+    draft_probs: torch.Tensor | None,  # [sum(k_i), V] float, or None
+    plan: _HostPlan,
+) -> torch.Tensor:  # [num_reqs, K + 1] int64
+    """The device work in batched torch ops: the kernel's reference."""
+    device = target_probs.device
+    num_reqs, k_max = plan.u.shape
+    total_drafts = int(plan.num_drafts.sum())
+    any_random, any_greedy = not plan.greedy.all(), bool(plan.greedy.any())
+
+    # --- Host: slot j < k_i of request i reads draft row cu_draft[i] + j and target row cu_target[i] + j;
+    # padding slots point at row 0 and are never accepted. ---
+    slot = np.arange(k_max)
+    layout = slot[None, :] < plan.num_drafts[:, None]  # [num_reqs, K]
+    target_rows = np.where(layout, plan.cu_target[:, None] + slot, 0)
+    draft_rows = np.where(layout, plan.cu_draft[:, None] + slot, 0)
+    host_drafts = isinstance(drafts, np.ndarray)
+    parts = ([drafts] if host_drafts else []) + [
+        target_rows, draft_rows, plan.num_drafts, plan.cu_draft, plan.cu_target, plan.greedy,
+        plan.recover_keys.view(np.int64), plan.sample_keys.view(np.int64)]
+    up = rng.to_device(torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in parts])),
+                       torch.int64, device)
+    sizes = [num_reqs * k_max] * (2 + host_drafts) + [num_reqs] * 4 + [num_reqs * (k_max + 1)] * 2
+    *host_drafts_t, target_rows_t, draft_rows_t, k, cu_draft_t, cu_target_t, greedy_t, recover_t, sample_t = (
+        up.split(sizes))
+    drafts_t = (host_drafts_t[0] if host_drafts else drafts).view(num_reqs, k_max).long()
+    target_rows_t, draft_rows_t = (x.view(num_reqs, k_max) for x in (target_rows_t, draft_rows_t))
+    greedy_t = greedy_t.bool()
+    # Real drafts per request; clamped to the layout, since a larger count would read the next request's rows.
+    n_real = k if num_valid is None else torch.minimum(num_valid.long().clamp(min=0), k)  # [num_reqs]
+    valid_t = torch.arange(k_max, device=device) < n_real[:, None]  # [num_reqs, K]
+    drafts_t = torch.where(valid_t, drafts_t, 0)  # slots past n_real may hold anything, even out-of-vocab ids
 
     # --- Acceptance: accepted[i, j] says whether draft j of request i passes its own test. ---
     accepted = valid_t
@@ -105,7 +191,7 @@ def rejection_sample(
         # Written as u * q(x) < p(x) so that q(x) = 0 accepts whenever p(x) > 0 and p(x) = 0 never accepts.
         p_x = target_probs[target_rows_t, drafts_t].float()
         q_x = 1.0 if draft_probs is None else draft_probs[draft_rows_t, drafts_t].float()
-        u_t = rng.to_device(torch.from_numpy(u), torch.float32, device)
+        u_t = rng.to_device(torch.from_numpy(plan.u), torch.float32, device)
         accepted = accepted & (u_t * q_x < p_x)
     if k_max and any_greedy:  # greedy: draft == target argmax
         matches = target_probs.argmax(-1)[target_rows_t] == drafts_t
@@ -128,9 +214,12 @@ def rejection_sample(
                 residual = (p_final - q).clamp_min_(0.0)  # max(0, p - q), unnormalised
             # NOTE: a rejection with an all-zero residual means p == q up to rounding, an event of
             # probability 0 in exact arithmetic; fall back to p rather than race on zeros.
-            use = (num_accepted < k)[:, None] & (residual.sum(-1, keepdim=True) > 0)
+            use = (num_accepted < n_real)[:, None] & (residual.sum(-1, keepdim=True) > 0)
             weights = torch.where(use, residual, p_final)
-        final_tokens = race(weights, keys_t.view(num_reqs, k_max + 1).gather(1, num_accepted[:, None])[:, 0])
+        n_acc = num_accepted[:, None]
+        keys = torch.where(n_acc == n_real[:, None], sample_t.view(num_reqs, k_max + 1).gather(1, n_acc),
+                           recover_t.view(num_reqs, k_max + 1).gather(1, n_acc))[:, 0]  # [num_reqs]
+        final_tokens = race(weights, keys)
         if any_greedy:  # target argmax (bonus or correction)
             final_tokens = torch.where(greedy_t, p_final.argmax(-1), final_tokens)
     else:

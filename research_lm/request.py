@@ -7,9 +7,6 @@ from dataclasses import dataclass, field
 
 from research_lm.sampling_params import SamplingParams
 
-# An output slot whose token a launched step is still computing (async scheduling); never a real token id.
-PLACEHOLDER = -1
-
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -33,13 +30,13 @@ class Request:
     seed: int  # effective sampling seed: the params' seed, or one derived from the engine seed
     eos_token_id: int | None = None
     arrival_time: float = 0.0
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # the outputs the host knows
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV (or state) is in the cache
     num_cached_tokens: int = -1  # prefix-cache hits at first schedule; -1 = not yet scheduled
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
-    # Trailing PLACEHOLDERs in output_token_ids: tokens of launched steps not yet collected (async scheduling).
+    num_spec_tokens: int = 0  # drafts its next step verifies (their values wait in the runner's device table)
+    # Outputs of launched steps not yet collected (async scheduling): counted, their values still on the device.
     num_output_placeholders: int = 0
     block_hashes: list[int] = field(default_factory=list)  # hash chain over full blocks
     num_preemptions: int = 0
@@ -55,6 +52,7 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The tokens the host knows: the prompt, then the known outputs."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
@@ -63,27 +61,28 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Outputs, the ones still in flight included."""
+        return len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.num_output_tokens
 
     @property
     def num_known_tokens(self) -> int:
-        """Tokens whose ids the host knows: all but the trailing placeholders."""
-        return self.num_tokens - self.num_output_placeholders
+        """Tokens whose ids the host knows: all but the outputs in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return self.num_tokens + len(self.spec_token_ids)
+        return self.num_tokens + self.num_spec_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """`all_token_ids[start:end]` without concatenating the whole history (hot path)."""
+        """`all_token_ids[start:end]` (known tokens) without concatenating the whole history (hot path)."""
         n = len(self.prompt_token_ids)
         if start >= n:
             return self.output_token_ids[start - n : end - n]

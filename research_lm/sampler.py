@@ -19,6 +19,9 @@ depends only on its own logits, params, seed and position: never on the batch ar
 On CUDA the race runs as one Triton kernel that hashes the same noise in registers
 (`research_lm.ops.exponential_race`), giving the same tokens.
 
+Penalties read each row's token history: from the runner's device token table (`TokenHistory`), whose rows hold
+outputs still in flight that the host has only counted; or, without one (drafters), from the host's lists.
+
 Host cost: `SamplingBatch.build` is one pass of Python over the rows plus at most two pinned,
 non-blocking copies (floats, ints); nothing in this module synchronises with the device.
 """
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 from research_lm import ops, rng
-from research_lm.request import PLACEHOLDER, Logprob, Request
+from research_lm.request import Logprob, Request
 from research_lm.sampling_params import _GREEDY_EPS
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "SamplerOutput",
     "SamplingBatch",
     "SamplingRow",
+    "TokenHistory",
     "apply_min_p",
     "apply_min_tokens",
     "apply_penalties",
@@ -66,9 +70,9 @@ __all__ = [
 
 @dataclass
 class SamplingRow:
-    """Sample the token at output position `len(outputs)` of `request`, where the outputs before it are
+    """Sample the token at output position `position` of `request`, where the outputs before it are
     `output_token_ids` (None: the request's own) followed by `then` (drafts being verified or drafted).
-    The concatenation is built only if a penalty reads it: a verify row must not copy a long output."""
+    The concatenation is built only if a penalty reads it from the host: a verify row must not copy a long output."""
 
     request: Request
     output_token_ids: list[int] | None = None
@@ -84,13 +88,31 @@ class SamplingRow:
 
     @property
     def position(self) -> int:
-        return len(self._base) + len(self.then)
+        # The request's own count includes outputs still in flight, whose values the host does not hold.
+        base = self.request.num_output_tokens if self.output_token_ids is None else len(self.output_token_ids)
+        return base + len(self.then)
 
     @classmethod
     def verify(cls, request: Request, draft_token_ids: Sequence[int]) -> list[SamplingRow]:
         """The k+1 rows that verify k drafts: positions p .. p+k, row j seeing drafts[:j] as output."""
         drafts = [int(t) for t in draft_token_ids]
         return [cls(request, then=drafts[:j]) for j in range(len(drafts) + 1)]
+
+
+@dataclass
+class TokenHistory:
+    """Where penalties read each batch row's tokens: a device table whose rows hold a request's prompt, then its
+    outputs (those still in flight included), then the drafts its step verifies. The host gives only counts."""
+
+    table: torch.Tensor  # [R_max, W] int32 on the device: per table row the prompt, then the outputs
+    rows: list[int]  # per batch row, its table row
+    prompt_lens: list[int]  # per batch row
+    ends: list[int]  # per batch row: its prompt + the outputs before the token it samples (drafts it follows included)
+
+    def segments(self, batch_rows: list[int], outputs_only: bool) -> list[int]:  # [4 * n], see `_history_index`
+        """The columns these batch rows read: the outputs (`outputs_only`) or the prompt and the outputs."""
+        firsts = [self.prompt_lens[i] if outputs_only else 0 for i in batch_rows]
+        return [*batch_rows, *(self.rows[i] for i in batch_rows), *firsts, *(self.ends[i] for i in batch_rows)]
 
 
 RowLike = Request | SamplingRow | tuple[Request, list[int] | None]
@@ -122,6 +144,43 @@ def _token_index(
     flat = torch.from_numpy(np.fromiter(chain.from_iterable(token_lists), np.int64, sum(lengths)))
     row = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor(lengths, dtype=torch.int64))
     return rng.to_device(row * vocab_size + flat, torch.int64, device)
+
+
+def _history_index(
+    table: torch.Tensor,  # [R_max, W] int32 on the device, `TokenHistory.table`
+    segments: torch.Tensor,  # [4, n] int64 on the device: per row its batch row, table row, first and end column
+    lo: int,  # min over the rows of the first column
+    hi: int,  # max over the rows of the end column
+    vocab_size: int,
+    dump: int,  # flat index that the cells outside a row's columns point to
+) -> torch.Tensor:  # [n * (hi - lo)] int64: batch row * V + token per cell in a row's columns, dump elsewhere
+    """`_token_index` of table[table row, first:end] per row, by batched device ops over [n, hi - lo] columns."""
+    batch_row, table_row, first, end = segments
+    cols = torch.arange(lo, hi, device=table.device)  # [L]
+    inside = (cols >= first[:, None]) & (cols < end[:, None])  # [n, L]
+    # Cells outside a row's columns may hold anything (another row's drafts, stale tokens): never index by them.
+    flat = batch_row[:, None] * vocab_size + table[table_row, lo:hi]  # [n, L] int64
+    return torch.where(inside, flat, dump).view(-1)
+
+
+def _penalty_index(
+    rows: list[SamplingRow],
+    used: list[int],  # the batch rows this penalty reads (at least one)
+    outputs_only: bool,  # read the outputs (presence, frequency); else the prompt and the outputs (repetition)
+    history: TokenHistory | None,
+    segments: torch.Tensor | None,  # [4 * len(used)] int64 on the device: `history.segments(used, outputs_only)`
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor:  # [N] int64 flat indices into [len(rows) * V + 1]: row * V + token, or the last slot
+    """The tokens a penalty reads, from the history's device table, else from the host's lists."""
+    if history is not None and segments is not None:
+        firsts = [history.prompt_lens[i] for i in used] if outputs_only else [0]
+        return _history_index(history.table, segments.view(4, -1), min(firsts), max(history.ends[i] for i in used),
+                              vocab_size, len(rows) * vocab_size)
+    lists: list[list[int]] = [[] for _ in rows]
+    for i in used:
+        lists[i] = rows[i].outputs if outputs_only else rows[i].request.prompt_token_ids + rows[i].outputs
+    return _token_index(lists, vocab_size, device)
 
 
 def _upload(
@@ -215,15 +274,19 @@ class SamplingBatch:
         rows: Sequence[RowLike],
         vocab_size: int,
         device: torch.device | str = "cpu",
-        in_flight: tuple[list[int], torch.Tensor] | None = None,
+        history: TokenHistory | None = None,
     ) -> SamplingBatch:
         """rows: `Request` (its next token), `SamplingRow`, or `(request, outputs_before)`.
 
-        in_flight (async scheduling): (row indices, [n] token ids on the device) of the rows whose outputs end in
-        a PLACEHOLDER, the token that stands for: penalties count it without the host knowing it."""
+        history: where penalties read each row's tokens on the device (the runner's table, which holds outputs still
+        in flight); None: from the host's lists (`SamplingRow.outputs`)."""
         device = torch.device(device)
         V = vocab_size
         rs = [_as_row(r) for r in rows]
+        if history is not None:
+            for name in ("rows", "prompt_lens", "ends"):
+                if len(getattr(history, name)) != len(rs):
+                    raise ValueError(f"history.{name} has {len(getattr(history, name))} entries for {len(rs)} rows")
         params = [r.request.sampling_params for r in rs]
         positions = [r.position for r in rs]
         greedy = [sp.greedy for sp in params]
@@ -276,6 +339,8 @@ class SamplingBatch:
 
         # Every per-row tensor some row uses, in one float and one int host -> device copy.
         any_count, any_seen = any(use_count), any(use_seen)
+        count_rows = [i for i, u in enumerate(use_count) if u]
+        seen_rows = [i for i, u in enumerate(use_seen) if u]
         floats = {
             "temperature": temperature,
             "top_p": top_p,
@@ -293,38 +358,27 @@ class SamplingBatch:
             "bias_token_ids": bias_ids or None,
             "allowed_rows": allowed_rows or None,
             "allowed_token_ids": allowed_ids or None,
+            "count_history": history.segments(count_rows, True) if history is not None and any_count else None,
+            "seen_history": history.segments(seen_rows, False) if history is not None and any_seen else None,
         }
         tensors = {**_upload(floats, torch.float32, device), **_upload(ints, torch.int64, device)}
+        count_history, seen_history = tensors.pop("count_history"), tensors.pop("seen_history")
 
-        # Penalties: build only the state some row uses, and only from the rows that use it.
+        # Penalties: build only the state some row uses, and only from the rows that use it. The flat indices point
+        # into [R * V + 1], whose last slot takes the table cells outside a row's columns and is dropped.
         output_counts = seen_mask = None
-        pending = dict(zip(in_flight[0], in_flight[1])) if in_flight is not None else {}  # row -> 0-d id tensor
-
-        def known(outputs: list[int]) -> list[int]:  # a placeholder's token is added on the device below
-            return [t for t in outputs if t != PLACEHOLDER] if pending else outputs
-
-        def flight_index(use: list[bool]) -> torch.Tensor | None:  # [n] row * V + in-flight token
-            rows_used = [i for i in pending if use[i]]
-            if not rows_used:
-                return None
-            ids = torch.stack([pending[i] for i in rows_used])
-            return rng.to_device(rows_used, torch.int64, device) * V + ids
-
+        RV = len(rs) * V
         if any_count:
-            idx = _token_index([known(r.outputs) if u else [] for r, u in zip(rs, use_count)], V, device)
-            if (extra := flight_index(use_count)) is not None:
-                idx = torch.cat([idx, extra])
-            output_counts = torch.zeros(len(rs) * V, dtype=torch.float32, device=device)
+            idx = _penalty_index(rs, count_rows, True, history, count_history, V, device)
             # Small integer sums are exact in float32, so the atomic add order does not matter.
+            output_counts = torch.zeros(RV + 1, dtype=torch.float32, device=device)
             output_counts = output_counts.index_add_(0, idx, torch.ones_like(idx, dtype=torch.float32))
-            output_counts = output_counts.view(len(rs), V)
+            output_counts = output_counts[:RV].view(len(rs), V)
         if any_seen:
-            lists = [r.request.prompt_token_ids + known(r.outputs) if u else [] for r, u in zip(rs, use_seen)]
-            seen_mask = torch.zeros(len(rs) * V, dtype=torch.bool, device=device)
-            seen_mask[_token_index(lists, V, device)] = True
-            if (extra := flight_index(use_seen)) is not None:
-                seen_mask[extra] = True
-            seen_mask = seen_mask.view(len(rs), V)
+            idx = _penalty_index(rs, seen_rows, False, history, seen_history, V, device)
+            seen_mask = torch.zeros(RV + 1, dtype=torch.bool, device=device)
+            seen_mask[idx] = True
+            seen_mask = seen_mask[:RV].view(len(rs), V)
 
         return cls(
             vocab_size=V,

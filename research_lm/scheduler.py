@@ -25,19 +25,19 @@ Invariants (asserted by tests/test_scheduler.py):
 One update path: every launched step N is announced with `assume_launched(N)` and folded back by
 `update_from_output(N)`; async scheduling (`LLMEngine` with `async_scheduling`) only launches step N + 1 between
 the two. `assume_launched(N)` advances N's requests as if each emitted all it can: one token, or
-with d drafts all d + 1 (every draft accepted): `num_computed_tokens` moves on and PLACEHOLDER output tokens
-stand for the tokens still on the device (the runner feeds them to step N + 1 from the device), and a request
-that verified drafts holds d PLACEHOLDER drafts for its next step (drafted on the device).
-`update_from_output(N)` then writes the real tokens over the placeholders, drops those of rejected drafts (and
-their computed count) and checks stops; a request that stopped had step N + 1 compute for nothing, which is
-dropped. Only known tokens are hashed for prefix caching (penalties count an in-flight token on the device, see
-`SamplingBatch.build`). Scheduling ahead never preempts: `can_schedule_ahead` holds only when the free blocks
+with d drafts all d + 1 (every draft accepted): `num_computed_tokens` moves on, `num_output_placeholders` counts
+the outputs still on the device (their values live only in the runner's device tables, which step N + 1 reads), and
+a request that verified d drafts expects d again for its next step (drafted on the device).
+`update_from_output(N)` then appends the real tokens, drops the count of rejected drafts (and their computed count)
+and checks stops; a request that stopped had step N + 1 compute for nothing, which is dropped. Only known tokens are
+hashed for prefix caching. Scheduling ahead never preempts: `can_schedule_ahead` holds only when the free blocks
 cover every running request's next step; otherwise the engine collects first. Ahead of a verify step it also
 needs the same requests to verify all their drafts again (no admission, room below max_model_len).
 
 Runner contract: a scheduled request computes positions [num_computed_tokens, num_computed_tokens +
-num_new_tokens) of `all_token_ids + spec_token_ids`, reading `request.num_computed_tokens` before
-`update_from_output`; it emits tokens only when that range reaches the last known token.
+num_new_tokens) of its tokens followed by its `num_spec_tokens` drafts (both in the runner's device token table),
+reading `request.num_computed_tokens` before `update_from_output`; it emits tokens only when that range reaches its
+last token.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from research_lm.kv_cache import KVCacheManager
 from research_lm.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from research_lm.request import PLACEHOLDER, Logprob, Request, RequestStatus
+from research_lm.request import Logprob, Request, RequestStatus
 from research_lm.stop_strings import StopStrings
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class Scheduler:
         self.spec_disabled = self._speculation_disabled()
         if self.spec_disabled:
             for request in self.running:  # none verified this step (the proposer drafts again after it)
-                request.spec_token_ids = []
+                request.num_spec_tokens = 0
         if self.suspects:
             self._schedule_isolated(out)
             return out
@@ -206,8 +206,8 @@ class Scheduler:
                 block_ids = self.kv_cache.allocate_slots(request, num_new,
                                                          num_lookahead_tokens=self.num_lookahead_tokens)
                 if block_ids is not None:
-                    request.spec_token_ids = drafts
-                    out.scheduled.append(ScheduledRequest(request, num_new, block_ids, list(drafts)))
+                    request.num_spec_tokens = drafts
+                    out.scheduled.append(ScheduledRequest(request, num_new, block_ids, drafts))
                     return
             elif len(self.running) < self.max_num_seqs:
                 self.waiting.remove(request)
@@ -252,14 +252,14 @@ class Scheduler:
             block_ids = self._allocate_or_preempt(request, num_new, out)
             if block_ids is None:  # the request itself was the newest: it was preempted
                 break
-            request.spec_token_ids = drafts
-            out.scheduled.append(ScheduledRequest(request, num_new, block_ids, list(drafts)))
+            request.num_spec_tokens = drafts
+            out.scheduled.append(ScheduledRequest(request, num_new, block_ids, drafts))
             budget -= num_new
             i += 1
         return budget
 
-    def _num_new_tokens_running(self, request: Request, budget: int) -> tuple[int, list[int]]:
-        """Tokens to compute for a running request and the drafts among them (a prefix of its drafts).
+    def _num_new_tokens_running(self, request: Request, budget: int) -> tuple[int, int]:
+        """Tokens to compute for a running request and how many of its drafts are among them (the first ones).
 
         Drafts are trimmed only where their positions would pass max_model_len (k drafts emit up to k + 1
         tokens). Near max_tokens a request still verifies all of them and the stop check drops what lies
@@ -269,17 +269,16 @@ class Scheduler:
         room = self.max_model_len - num_tokens
         max_tokens = request.sampling_params.max_tokens
         at_limit = room <= 0 or (max_tokens is not None and request.num_output_tokens >= max_tokens)
-        if at_limit and request.num_output_placeholders and not request.spec_token_ids:
-            return 0, []  # async: its in-flight token is its last (in-flight drafts may be rejected: no such rule)
-        if not request.spec_token_ids:  # the common case: no drafts
+        if at_limit and request.num_output_placeholders and not request.num_spec_tokens:
+            return 0, 0  # async: its in-flight token is its last (in-flight drafts may be rejected: no such rule)
+        if not request.num_spec_tokens:  # the common case: no drafts
             num_new = min(num_tokens - num_computed, budget)
             assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
-            return num_new, []
-        drafts = request.spec_token_ids[: max(0, room - 1)]
-        num_new = min(num_tokens + len(drafts) - num_computed, budget)
-        num_drafts = max(0, num_computed + num_new - num_tokens)
+            return num_new, 0
+        drafts = min(request.num_spec_tokens, max(0, room - 1))
+        num_new = min(num_tokens + drafts - num_computed, budget)
         assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
-        return num_new, drafts[:num_drafts]
+        return num_new, min(drafts, max(0, num_computed + num_new - num_tokens))
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> list[int] | None:
         """Allocate for a running request, preempting the newest running requests while that fails.
@@ -297,10 +296,10 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput | None) -> None:
         """Back to the front of the queue, to recompute; `out` None: a rollback (`recover`), the runner is reset."""
-        _drop_placeholders(request)
+        request.num_output_placeholders = 0  # outputs in flight will never be its tokens
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.num_spec_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -360,29 +359,27 @@ class Scheduler:
             ids = {s.request.request_id for s in verifying.scheduled}
             if self.waiting and len(self.running) < self.max_num_seqs or self._speculation_disabled():
                 return False
-            if any(r.request_id not in ids or r.num_tokens + 2 * (len(r.spec_token_ids) + 1) > self.max_model_len
+            if any(r.request_id not in ids or r.num_tokens + 2 * (r.num_spec_tokens + 1) > self.max_model_len
                    for r in self.running):
                 return False
         bs, need = self.kv_cache.block_size, 0
         for r in self.running:
-            n = min(r.num_tokens - r.num_computed_tokens + len(r.spec_token_ids), self.max_num_batched_tokens)
+            n = min(r.num_tokens - r.num_computed_tokens + r.num_spec_tokens, self.max_num_batched_tokens)
             slots = r.num_computed_tokens + n + self.num_lookahead_tokens
             need += max(0, -(-slots // bs) - self.kv_cache.num_blocks_of(r.request_id))
         return need <= self.kv_cache.num_free_blocks
 
     def assume_launched(self, scheduler_output: SchedulerOutput) -> None:
         """Advance the requests of a launched step before its tokens are known: the scheduled tokens count
-        as computed, and a request whose chunk reaches its last token gets a PLACEHOLDER output token for each
-        token it may emit (its drafts + 1) and, if it verified drafts, as many PLACEHOLDER drafts for its next step."""
+        as computed, and a request whose chunk reaches its last token counts an output in flight for each token it
+        may emit (its drafts + 1) and, if it verified drafts, expects as many drafts for its next step."""
         scheduler_output.assumed = True
         for sched in scheduler_output.scheduled:
             request = sched.request
             request.num_computed_tokens += sched.num_new_tokens
             if request.num_computed_tokens >= request.num_tokens:
-                emits = len(sched.spec_token_ids) + 1
-                request.output_token_ids += [PLACEHOLDER] * emits
-                request.num_output_placeholders += emits
-                request.spec_token_ids = [PLACEHOLDER] * len(sched.spec_token_ids)
+                request.num_output_placeholders += sched.num_spec_tokens + 1
+                request.num_spec_tokens = sched.num_spec_tokens
 
     # ---- update ------------------------------------------------------------------------------
     def update_from_output(
@@ -402,8 +399,9 @@ class Scheduler:
                 continue
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
             sampled = runner_output.sampled_token_ids[i]
+            num_drafts = runner_output.num_draft_tokens[i] if runner_output.num_draft_tokens else sched.num_spec_tokens
             try:
-                self._resolve(request, sched, sampled, logprobs)
+                self._resolve(request, sched, sampled, logprobs, num_drafts)
                 if request.finish_reason is None:
                     self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             except Exception as e:  # e.g. detokenizing for its stop strings: its own tokens, so it alone fails
@@ -416,7 +414,7 @@ class Scheduler:
                 finished.append(request)
                 continue
             if not request.num_output_placeholders:  # no later step in flight: its next drafts are this step's
-                request.spec_token_ids = list((runner_output.draft_token_ids or {}).get(request.request_id, ()))
+                request.num_spec_tokens = runner_output.num_proposed.get(request.request_id, 0)
         self._isolating = None  # its step completed (only one step runs at a time while isolating)
         if finished:
             done = {id(r) for r in finished}
@@ -450,26 +448,27 @@ class Scheduler:
         return [culprit]
 
     def _resolve(self, request: Request, sched: ScheduledRequest, sampled: list[int],
-                 logprobs: list[dict[int, Logprob]] | None) -> None:
-        """Write a step's collected tokens over the request's oldest placeholders (those the step assumed at launch:
-        its drafts + 1), drop the rest with the computed count of its rejected drafts, and check stops."""
+                 logprobs: list[dict[int, Logprob]] | None, num_drafts: int) -> None:
+        """Append a step's collected tokens in place of the outputs it counted in flight at launch (its drafts + 1),
+        drop the count of the rest with the computed count of its rejected drafts, and check stops. num_drafts: the
+        real drafts among its draft slots (a drafter on the device may fill fewer than it was given)."""
         if not sampled:  # a prompt chunk that did not reach the end
             return
-        assumed = len(sched.spec_token_ids) + 1
+        assumed = sched.num_spec_tokens + 1
         assert 1 <= len(sampled) <= assumed, f"{len(sampled)} tokens for {assumed - 1} drafts"
-        first = request.num_output_tokens - request.num_output_placeholders  # the oldest placeholder
-        request.output_token_ids[first : first + assumed] = sampled
+        first = len(request.output_token_ids)  # the oldest output in flight: steps are collected in order
+        request.output_token_ids += sampled
         request.num_output_placeholders -= assumed
         request.num_computed_tokens -= assumed - len(sampled)
-        self._emitted(request, sched, sampled, logprobs, first)
+        self._emitted(request, num_drafts, sampled, logprobs, first)
 
-    def _emitted(self, request: Request, sched: ScheduledRequest, sampled: list[int],
+    def _emitted(self, request: Request, num_drafts: int, sampled: list[int],
                  logprobs: list[dict[int, Logprob]] | None, first: int) -> None:
         """A step's emitted tokens, now the request's outputs first .. first + len(sampled) - 1: acceptance counts,
         logprobs, the first token's time, stops. A stop drops every output after it: the step's later tokens and
-        (async scheduling) the placeholders of a step in flight, which computed for nothing."""
-        if sched.spec_token_ids:
-            request.num_draft_tokens += len(sched.spec_token_ids)
+        (async scheduling) the outputs counted for a step in flight, which computed for nothing."""
+        if num_drafts:
+            request.num_draft_tokens += num_drafts
             request.num_accepted_tokens += len(sampled) - 1
         for u, token in enumerate(sampled):
             if logprobs:  # [] where this request asked for none while another in the step did
@@ -505,22 +504,15 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         """Release a request already removed from `waiting` / `running`."""
-        _drop_placeholders(request)
+        request.num_output_placeholders = 0  # outputs in flight will never be its tokens
         if request.status == RequestStatus.RUNNING and reason != "error":  # a failed step's KV is not trusted
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.perf_counter()
-        request.spec_token_ids = []
+        request.num_spec_tokens = 0
         self.requests.pop(request.request_id, None)
         self.suspects.pop(request.request_id, None)
         self._finished_since_schedule.add(request.request_id)
 
-
-def _drop_placeholders(request: Request) -> None:
-    """A request leaving the running set (finished, aborted, preempted, rolled back) with tokens in flight: those
-    will never be outputs."""
-    if request.num_output_placeholders:
-        del request.output_token_ids[-request.num_output_placeholders :]
-        request.num_output_placeholders = 0

@@ -15,83 +15,70 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from attention_zoo import CommonAttentionMetadata
 from attention_zoo.registries import Registry
-from research_lm.buffers import DeviceTokens
 from research_lm.checks import checked
-from research_lm.rejection_sampler import rejection_sample
-from research_lm.request import PLACEHOLDER, Request
+from research_lm.request import Request
+from research_lm.rng import to_device
 
 
 @dataclass
 class StepOutcome:
-    """What the target produced this step, for the proposer to draft from."""
+    """What the target produced this step, for the proposer to draft from. At launch (`Proposer.propose_on_device`)
+    the emitted tokens exist only on the device; at collect (`Proposer.propose`) the host has them too."""
 
     requests: list[Request]  # scheduled requests in batch order
-    emitted: list[list[int]]  # tokens each request emitted this step (not yet appended to the request)
     input_ids: torch.Tensor  # [num_tokens] the flat batch fed to the target
     positions: torch.Tensor  # [num_tokens]
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
     hidden_states: torch.Tensor | None  # [num_tokens, hidden] the target's final hidden states
     aux_hidden_states: list[torch.Tensor] | None  # per aux layer, [num_tokens, hidden]
-    num_rejected: list[int]  # drafts rejected per request this step (their KV slots are stale)
-    # The step's batch: block tables (shared with a drafter's own KV), seq lens, slots.
+    # The step's batch: block tables (shared with a drafter's own KV), seq lens, slots, each request's table row.
     common: CommonAttentionMetadata
+    tokens: TokenTable  # every request's tokens on the device, this step's emitted ones appended
+    emitted_ids: torch.Tensor  # [num_reqs, m] int64 on the device: request i's emitted tokens first, -1 after
+    num_emitted: torch.Tensor  # [num_reqs] int32 on the device: how many (0: a prompt chunk short of its end)
     greedy_ids: torch.Tensor | None = None  # [num_tokens] the target's argmax per row, on the device, when a
-    # graph computed it: what `propose_before_verification` drafts from (its acceptance computed on the device)
+    # graph computed it: what EAGLE's "verified" draft graph drafts from
+    emitted: list[list[int]] | None = None  # at collect: the emitted tokens on the host (not yet appended to the
+    # requests); None at launch
+    num_rejected: list[int] | None = None  # at collect: drafts rejected per request (their KV slots are stale)
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    """The runner's token table (research_lm/request_state.py): row r holds a request's prompt and outputs,
+    `num_tokens[r]` of them; the drafts of its next step go right after them."""
+
+    token_ids: torch.Tensor  # [R, W] int32
+    num_tokens: torch.Tensor  # [R] int32
+    rows: torch.Tensor  # [num_reqs] int32: the step's requests' rows (common.request_rows)
 
 
 @dataclass
-class PendingDrafts:
-    """Drafts a proposer left on the device, with their copy to the host under way: the runner feeds them to
-    the next step's forward on the device, and waits for their values only to verify them, by which time
-    the copy has landed. Drafting then overlaps the host's work between the two steps."""
+class Drafts:
+    """A proposer's drafts for the next step: the runner writes them into its device token table right after each
+    request's tokens, so the next step reads them on the device and the host never needs their values."""
 
-    tokens: DeviceTokens  # request id -> its drafts on the device
-    host: torch.Tensor  # the copy's destination: the same layout as tokens.ids
-    ready: torch.cuda.Event | None  # fires when `host` holds the drafts; None: it already does (CPU)
+    index: list[int]  # the step's requests (batch index) that drafted
+    token_ids: torch.Tensor  # [len(index), k] int64 on the device; a request's slots past its count: anything
+    num: list[int] | torch.Tensor | None = None  # real drafts per drafted request (host list, or int [len(index)] on
+    # the device: an n-gram lookup on the device knows its matches only there); None: all k
+    probs: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [k_i, vocab] q, where sampled
 
     @classmethod
-    def start(cls, drafts: torch.Tensor, rows: dict[str, int]) -> PendingDrafts:
-        """Drafts [R, k] on the device (request id -> its row), their copy to pinned host memory started."""
-        if drafts.device.type != "cuda":
-            host, ready = drafts, None
-        else:
-            host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-            host.copy_(drafts, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        k = drafts.shape[1]
-        return cls(DeviceTokens(drafts.view(-1), {r: row * k for r, row in rows.items()}), host, ready)
-
-
-@dataclass
-class Proposal:
-    token_ids: dict[str, list[int]]  # request id -> drafts for its next step (may be empty); PLACEHOLDERs
-    probs: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [k, vocab] q, if any
-    pending: PendingDrafts | None = None  # the placeholders' values, until `resolve`
-
-    def resolve(self) -> dict[str, list[int]]:
-        """token_ids with every PLACEHOLDER replaced by its draft (waits for the copy the first time)."""
-        p = self.pending
-        if p is not None:
-            if p.ready is not None:
-                p.ready.synchronize()
-            flat = p.host.view(-1).numpy()
-            for req_id, first in p.tokens.first.items():
-                ids = self.token_ids[req_id]
-                ids[:] = flat[first : first + len(ids) * p.tokens.stride : p.tokens.stride].tolist()
-            self.pending = None
-        return self.token_ids
-
-    def fill(self, drafts: list[int], req_id: str) -> list[int]:
-        """A request's drafts (a prefix of its proposal: the scheduler may trim them) with their values."""
-        if not drafts or drafts[0] != PLACEHOLDER:
-            return drafts
-        return self.resolve()[req_id][: len(drafts)]
+    def from_lists(cls, index: list[int], token_ids: list[list[int]], k: int, device: torch.device,
+                   probs: dict[str, torch.Tensor] | None = None) -> Drafts:
+        """Drafts the host computed (`index[i]` drafted `token_ids[i]`, up to k each), padded to k in one copy."""
+        padded = np.zeros((len(index), k), dtype=np.int64)
+        for i, ids in enumerate(token_ids):
+            padded[i, : len(ids)] = ids
+        return cls(index, to_device(torch.from_numpy(padded), torch.int64, device), [len(t) for t in token_ids],
+                   probs or {})
 
 
 @dataclass(frozen=True)
@@ -112,7 +99,13 @@ class DraftTarget:
 
 
 class Proposer(ABC):
-    """A speculative proposer: each step the runner hands it the step's outcome and verifies its drafts the next step.
+    """A speculative proposer: each step the runner hands it the step's outcome, writes the drafts it returns into the
+    device token table, and the next step verifies them.
+
+    Two entry points, one protocol. `propose_on_device` runs right behind the target's verification, at launch,
+    from device values alone; where it returns drafts, the engine may launch the next step before this one's tokens
+    reach the host (async scheduling), whatever the proposer. Otherwise the runner calls `propose` at collect, with
+    the emitted tokens on the host, and the next step waits for it.
 
     Attributes a proposer sets (the defaults here are a proposer without them):
     - `num_speculative_tokens`: drafts per request and step, k;
@@ -128,9 +121,15 @@ class Proposer(ABC):
     needs_last_hit_block_recomputed: bool = False
     cache_layers: Sequence[nn.Module] = ()
 
+    def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
+        """At launch, behind the verification: the drafts of the step's requests from device values alone
+        (`outcome.emitted` is None), without waiting for the device; None where this proposer cannot (then `propose`
+        runs at collect)."""
+        return None
+
     @abstractmethod
-    def propose(self, outcome: StepOutcome) -> Proposal:
-        """Each scheduled request's drafts for its next step, from this step's outcome (its emitted tokens set)."""
+    def propose(self, outcome: StepOutcome) -> Drafts:
+        """At collect: the drafts of the step's requests, from the outcome with its emitted tokens on the host."""
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         """Finished or preempted: drop any per-request drafter state."""
@@ -143,19 +142,6 @@ class Proposer(ABC):
     def capture_cuda_graphs(self, **capture: Any) -> None:
         """Capture the drafter's graphs beside the target's (`ModelRunner.capture_cuda_graphs` passes the sizes)."""
         return None
-
-    def propose_before_verification(self, outcome: StepOutcome) -> Callable[[], None] | None:
-        """On a verify step, right after the target's forward and before the host knows the emitted tokens
-        (`outcome.emitted` still empty): the launch of drafting on the device from `outcome.greedy_ids`, which the
-        runner calls once the argmax's copy to the host is queued (`propose` then only hands the drafts out); None
-        where the proposer cannot draft there."""
-        return None
-
-    def ahead_inputs(self, outcome: StepOutcome) -> DeviceTokens:
-        """After `propose_before_verification` launched: each request's next verify inputs on the device (its last
-        emitted token, then its drafts) with their start corrections (`DeviceTokens.start_shift`), which async
-        scheduling feeds to the next step before this one is verified."""
-        raise NotImplementedError(f"{type(self).__name__} drafts no verify inputs ahead")
 
 
 # method name -> factory: (speculative_config: dict, target: DraftTarget) -> Proposer. Plugins add their methods
@@ -237,9 +223,3 @@ def build_proposer(speculative_config: Mapping[str, Any], target: DraftTarget) -
     speculative_config = check_speculative_config(speculative_config)
     # a method whose module fails to import (a missing optional dependency) raises "... is not installed: <why>"
     return PROPOSERS.get(speculative_config["method"])(speculative_config, target)
-
-
-def load_rejection_sampler():
-    """The rejection sampler (`research_lm.rejection_sampler.rejection_sample`), which verification calls for a
-    step that is not all-greedy."""
-    return rejection_sample

@@ -1,78 +1,77 @@
-"""Verification of a speculative step's drafts: the tokens each request emits, with their logprobs.
+"""Verification of a speculative step's drafts, on the device: what each request emits, without a host sync.
 
-An all-greedy step without penalties, a min_tokens ban, logit_bias or allowed_token_ids needs each row's
-argmax only (a decode graph's, when it has it): drafts are accepted while they equal it, then it is emitted.
-Any other step goes through the rejection sampler (`research_lm.spec.load_rejection_sampler`, vLLM's [B, k+1]
-rule) over the processed target distribution. Logprobs are the target's raw ones, from the row that emitted
-each token, as plain sampling returns them.
+The drafts are the step's own input ids (each verifying request's last tokens), and how many of a request's draft
+slots hold real drafts is in the device table (`num_valid`: an n-gram lookup on the device may fill fewer than it
+was given). An all-greedy step without penalties, a min_tokens ban, logit_bias or allowed_token_ids needs each row's
+argmax only (a decode graph's, when it has it): drafts are accepted while they equal it, then it is emitted. Any
+other step goes through the rejection sampler (`research_lm.rejection_sampler`, vLLM's [B, k+1] rule) over the
+processed target distribution. Logprobs, where asked, are the target's raw ones, from the row that emitted each
+token, as plain sampling returns them; they are read at collect, once the host knows what was emitted.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from research_lm.outputs import ScheduledRequest
+from research_lm.rejection_sampler import rejection_sample
 from research_lm.request import Logprob
-from research_lm.sampler import (
-    SamplingBatch,
-    SamplingRow,
-    compute_probs,
-    gather_logprobs,
-    logprobs_to_dicts,
-    plain_greedy,
-)
-from research_lm.spec import load_rejection_sampler
+from research_lm.rng import to_device
+from research_lm.sampler import SamplingBatch, compute_probs, gather_logprobs, logprobs_to_dicts
 
 
 def verify_drafts(
     scheduled: list[ScheduledRequest],
-    sample_rows: list[tuple[int, int]],  # (request index, draft offset j) per logits row
-    logits: torch.Tensor,  # [num_sample_rows, vocab]
+    sampling: list[int],  # the requests that sample, in batch order
+    query_start_loc: np.ndarray,  # [num_reqs + 1] host
+    logits: torch.Tensor,  # [num_sample_rows, vocab]: request sampling[i]'s d_i + 1 rows, in order
     greedy_ids: torch.Tensor | None,  # [num_sample_rows] logits.argmax(-1), when the graph computed it
+    input_ids: torch.Tensor,  # [num_tokens] the step's input ids on the device
+    num_valid: torch.Tensor,  # [len(sampling)] int32 on the device: real drafts among each one's slots
+    batch: SamplingBatch | None,  # None: every row plain greedy
     draft_probs: dict[str, torch.Tensor],  # request id -> [k, vocab] q of its drafts; verified ones are popped
-    vocab_size: int,
-    device: torch.device,
-) -> tuple[list[list[int]], list[int], list[list[dict[int, Logprob]]] | None]:
-    """Per scheduled request: the tokens it emits, how many drafts it rejected, and (where some request
-    asks for logprobs) the emitted tokens' logprobs."""
-    reqs = sorted({i for i, _ in sample_rows})
-    batch = None
-    if not all(plain_greedy(r) and r.sampling_params.logprobs is None for r in (scheduled[i].request for i in reqs)):
-        rows = [SamplingRow(scheduled[i].request, then=scheduled[i].spec_token_ids[:j]) for i, j in sample_rows]
-        batch = SamplingBatch.build(rows, vocab_size, device)
-    drafts = [scheduled[i].spec_token_ids for i in reqs]
-    q = [draft_probs.pop(scheduled[i].request.request_id, None) for i in reqs]
-    emitted: list[list[int]] = [[] for _ in scheduled]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sampling request: emitted tokens [n_s, k_max + 1] int64 (-1 after the emitted ones), how many [n_s]
+    int32, and its real drafts verified [n_s] int32, all on the device."""
+    device = input_ids.device
+    reqs = [scheduled[i] for i in sampling]
+    d = np.fromiter((s.num_spec_tokens for s in reqs), dtype=np.int64, count=len(reqs))
+    k_max = int(d.max(initial=0))
+    j = np.arange(k_max)[None, :]
+    first_row = np.cumsum(d + 1) - (d + 1)  # each request's first logits row
+    ends = query_start_loc[1:][sampling][:, None]  # draft j of a request is its token ends - d + j
+    draft_token = ends - np.maximum(d, 1)[:, None] + np.minimum(j, np.maximum(d[:, None] - 1, 0))  # clamped in range
+    target_row = first_row[:, None] + np.minimum(np.arange(k_max + 1)[None, :], d[:, None])
+    host = np.concatenate([draft_token.reshape(-1), target_row.reshape(-1), d])
+    up = to_device(torch.from_numpy(host), torch.int64, device)
+    draft_token_t, target_row_t, d_t = up.split([len(reqs) * k_max, len(reqs) * (k_max + 1), len(reqs)])
+    drafts = input_ids[draft_token_t].view(len(reqs), k_max)
+    num_real = torch.minimum(num_valid.to(torch.int64), d_t).to(torch.int32)
+    q = [draft_probs.pop(s.request.request_id, None) for s in reqs]
     if batch is None or batch.plain_argmax:
-        target = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)).tolist()
-        row = 0
-        for i, d in zip(reqs, drafts, strict=True):
-            n = next((j for j, t in enumerate(d) if t != target[row + j]), len(d))  # drafts accepted
-            emitted[i] = d[:n] + [target[row + n]]
-            row += len(d) + 1
-    else:
-        q_cat = None
-        if any(x is not None for x in q) and all(x is not None for x, d in zip(q, drafts) if d):
-            q_cat = torch.cat([x[: len(d)] for x, d in zip(q, drafts) if d])
-        tokens = load_rejection_sampler()(
-            drafts, compute_probs(logits, batch), q_cat,
-            torch.tensor([scheduled[i].request.sampling_params.greedy for i in reqs]),
-            [scheduled[i].request.seed for i in reqs],
-            [scheduled[i].request.num_output_tokens for i in reqs],
-        ).tolist()
-        for i, row in zip(reqs, tokens, strict=True):
-            emitted[i] = [t for t in row if t != -1]
-    num_rejected = [len(s.spec_token_ids) + 1 - len(e) if e else 0 for s, e in zip(scheduled, emitted)]
-    logprobs = None if batch is None or batch.max_num_logprobs is None else _emitted_logprobs(
-        logits, sample_rows, batch, emitted)
-    return emitted, num_rejected, logprobs
+        target = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1))[target_row_t]
+        target = target.view(len(reqs), k_max + 1)
+        slots = torch.arange(k_max, device=device)
+        ok = (slots < num_real[:, None]) & (drafts == target[:, :k_max])
+        n_acc = ok.long().cumprod(dim=1).sum(dim=1)
+        emitted = torch.where(torch.arange(k_max + 1, device=device) <= n_acc[:, None], target, -1)
+        return emitted, (n_acc + 1).to(torch.int32), num_real
+    q_cat = None
+    if any(x is not None for x in q) and all(x is not None for x, n in zip(q, d) if n):
+        q_cat = torch.cat([x[:n] for x, n in zip(q, d) if n])
+    emitted = rejection_sample(
+        drafts, compute_probs(logits, batch), q_cat, [s.request.sampling_params.greedy for s in reqs],
+        [s.request.seed for s in reqs], [s.request.num_output_tokens for s in reqs], num_drafts=d.tolist(),
+        num_valid=num_real)
+    return emitted, (emitted >= 0).sum(dim=1).to(torch.int32), num_real
 
 
-def _emitted_logprobs(
+def emitted_logprobs(
     logits: torch.Tensor,  # [num_sample_rows, vocab] raw
     sample_rows: list[tuple[int, int]],
     batch: SamplingBatch,
-    emitted: list[list[int]],
+    emitted: list[list[int]],  # per request of the step
 ) -> list[list[dict[int, Logprob]]]:
     """Row (i, j) emitted token j of request i when the request emitted more than j tokens."""
     keep = [r for r, (i, j) in enumerate(sample_rows) if j < len(emitted[i])]
@@ -80,7 +79,7 @@ def _emitted_logprobs(
     rows = torch.tensor(keep, device=logits.device)
     tensors = gather_logprobs(torch.log_softmax(logits[rows].float(), dim=-1), ids, batch.max_num_logprobs)
     out: list[list[dict[int, Logprob]]] = [[] for _ in emitted]
-    for r, d in zip(keep, logprobs_to_dicts(tensors, ids, [batch.num_logprobs[r] for r in keep]), strict=True):
-        if d is not None:
-            out[sample_rows[r][0]].append(d)
+    for r, lp in zip(keep, logprobs_to_dicts(tensors, ids, [batch.num_logprobs[r] for r in keep]), strict=True):
+        if lp is not None:
+            out[sample_rows[r][0]].append(lp)
     return out

@@ -9,12 +9,11 @@ nothing the forwards compute, so one program computes them all before the entry 
 The numbers are `spec_decode.draft_graphs`' torch path (the reference), value for value:
 - per request row r < b: real = qsl[r + 1] > qsl[r]; "verified": n_acc = the leading run of x[r*q + j + 1] ==
   g[r*q + j], last row r*q + n_acc, budget clamp(room - n_acc - 2, 0, K) (room staged in the budgets' place),
-  entry seq len pos[r*q + q - 1] + 1 on real rows (else 0), next token g[r*q + n_acc], start shift n_acc - K;
-  else the staged last row, budget and seq len. Positions `pos` are the entry rows' (staged, or "verified" the
-  verify step's own on the device). Chain step j = 1 .. K-1 sits at p = pos[last] + j, feeds (and writes KV)
-  when real and p < pos[last] + budget, with seq len p + 1 on real rows (else 0), position p where it feeds
-  (else 0), slot block_table[r, min(p // bs, last block)] * bs + p % bs where it feeds (else -1); the chain's
-  query_start_loc is the running count of real rows;
+  entry seq len pos[r*q + q - 1] + 1 on real rows (else 0); else the staged last row, budget and seq len.
+  Positions `pos` are the entry rows' (staged, or "verified" the verify step's own on the device). Chain step
+  j = 1 .. K-1 sits at p = pos[last] + j, feeds (and writes KV) when real and p < pos[last] + budget, with seq len
+  p + 1 on real rows (else 0), position p where it feeds (else 0), slot block_table[r, min(p // bs, last block)] *
+  bs + p % bs where it feeds (else -1); the chain's query_start_loc is the running count of real rows;
 - per entry token i < b*q: it writes KV when its request row is >= 0 (and, "verified", i % q <= n_acc of that
   request), at block_table[row, min(pos // bs, last block)] * bs + pos % bs, else -1.
 """
@@ -42,8 +41,6 @@ def _bookkeeping_kernel(
     pos_ptr,  # int64 [>= b*q]: the entry rows' positions
     g_ptr,  # int64 [>= b*q]: the verify's argmax g
     x_ptr,  # int64 [>= b*q]: its input x
-    next_ptr,  # int64 [b]: "verified": the last token each request emits
-    shift_ptr,  # int64 [b]: "verified": n_acc - K
     bt_ptr,  # int32 [A, blocks]
     bt_stride,
     last_block,
@@ -82,8 +79,6 @@ def _bookkeeping_kernel(
         last = r * q + n_acc
         budget = tl.minimum(tl.maximum(budget - n_acc - 2, 0), K)
         seq = tl.where(real, tl.load(pos_ptr + r * q + q - 1, mask=rm, other=0) + 1, 0)
-        tl.store(next_ptr + r, tl.load(g_ptr + last, mask=rm, other=0), mask=rm)
-        tl.store(shift_ptr + r, n_acc - K, mask=rm)
     else:
         last = tl.load(staging_ptr + last_off + r, mask=rm, other=0)
         seq = tl.load(staging_ptr + seq_off + r, mask=rm, other=0)
@@ -131,8 +126,6 @@ def draft_bookkeeping(
     positions: torch.Tensor,  # [K - 1, >= b] int64
     seq_lens: torch.Tensor,  # [K - 1, >= b] int32
     slots: torch.Tensor,  # [K - 1, >= b] int64
-    next_tokens: torch.Tensor,  # [b] int64: "verified": the last token each request emits
-    start_shift: torch.Tensor,  # [b] int64: "verified": n_acc - k
     *, b: int, q: int, k: int, block_size: int,
 ) -> None:
     """Fill the entry's and the chain's records and the last rows (module docstring); no sync."""
@@ -140,14 +133,13 @@ def draft_bookkeeping(
     assert positions.stride() == slots.stride() == seq_lens.stride() and positions.stride(1) == 1
     assert entry_qsl.dtype == entry_seq_lens.dtype == qsl.dtype == seq_lens.dtype == torch.int32
     g, x = verified if verified is not None else (staging, staging)  # unread without VERIFIED
-    assert g.dtype == x.dtype == pos.dtype == torch.int64 and g.is_contiguous() and x.is_contiguous()
-    assert pos.is_contiguous() and next_tokens.is_contiguous() and start_shift.is_contiguous()
+    assert g.dtype == x.dtype == pos.dtype == torch.int64
+    assert g.is_contiguous() and x.is_contiguous() and pos.is_contiguous()
     block_t = min(_MAX_BLOCK_T, next_power_of_2(b * q))
     _bookkeeping_kernel[(1,)](
-        staging, pos, g, x, next_tokens, start_shift, block_table, block_table.stride(0),
-        block_table.shape[1] - 1, entry_qsl, entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots,
-        positions.stride(0), offsets["req"], offsets["qsl"], offsets["seq"], offsets["last"],
-        offsets["budget"], b, q, block_size,
+        staging, pos, g, x, block_table, block_table.stride(0), block_table.shape[1] - 1, entry_qsl, entry_seq_lens,
+        entry_slots, last_rows, qsl, positions, seq_lens, slots, positions.stride(0), offsets["req"], offsets["qsl"],
+        offsets["seq"], offsets["last"], offsets["budget"], b, q, block_size,
         K=k, VERIFIED=verified is not None, BLOCK_B=next_power_of_2(b), BLOCK_T=block_t,
         num_warps=num_warps_for(block_t),
     )

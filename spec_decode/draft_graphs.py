@@ -1,6 +1,6 @@
 """CUDA graphs for the drafting of the model-based proposers (EAGLE, EAGLE-3, draft model): a step drafts
-with one replay and one device -> host copy, which nobody waits for until the drafts are verified
-(`research_lm.spec.PendingDrafts`): the next step's forward reads them on the device.
+with one replay and no copy to the host. The drafts stay on the device; the runner gathers them with
+`drafts(rows)` into its device token table, which the next step's forward reads.
 
 A drafting step is two parts, both captured in one graph per padded batch size B and pick rule:
 1. The entry forward over the rows the target just verified, at most q = k + 1 per request (EAGLE: the
@@ -37,15 +37,12 @@ max(Aq, P), P the longest prompt graph (below):
     verified 3 x [Aq] int64        "verified": the verify step's argmax, input ids and positions (request r at rows
                                    r*q ..): the target's own buffers when the runner hands them over (read in
                                    place), else copies
-    next_tokens [k + 1, A] int64   row 0 ("verified"): the last token each request emits, g[r*q + n_acc]; rows 1 ..
-                                   k (`drafts`): drafts 1 .. k of each request. The next step's forward reads them
-                                   here, and `drafts_host` (pinned) receives a copy of the drafts
-    start_shift [A] int64          "verified": n_acc - k, how far each request's next start lies below a host's
-                                   guess that it accepted every draft (`ahead`)
+    _drafts [k, A] int64           drafts 1 .. k of each request (chain step j reads row j - 1 in place), until
+                                   the next replay; `drafts(rows)` gathers them
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
 Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
-writing no KV; their drafts are dropped on the host.
+writing no KV; their drafts are noise (a request keeps drafts 1 .. its budget).
 
 A third rule, "verified", drafts before the host knows what the target emitted (`run(verified=...)`): for
 an all-greedy step where every request verified k drafts (q = k + 1 rows each, request r at rows r*q ..),
@@ -53,10 +50,9 @@ a prologue inside the graph takes the verify forward's argmax g, input x and pos
 `verified`), accepts while x[j + 1] == g[j] (n_acc), and enters the tokens the request emits, g[0 .. n_acc], at
 positions c .. c + n_acc: rows past n_acc write no KV and feed nothing. Draft 1 is picked at row r*q + n_acc, and
 the budget min(k, room - n_acc - 2) (`spec_decode.heads.draft_budget`) comes from each request's room, staged
-in place of the budget. The host waits for the verify's ids alone while this graph runs, or (async scheduling)
-for nothing: the positions come from the device, so the host may have staged the verify step from a guess, and
-the graph leaves each request's next verify inputs (its emitted last token, its drafts) and start correction on
-the device (`ahead`).
+in place of the budget. The graph reads no value of the host's that the device computed: the positions are the
+verify step's own, so under async scheduling the host's counts may be guesses. It leaves only the drafts; the
+runner reads them with `drafts(rows)` and writes them into its device token table.
 
 Before the forwards, a replay computes the entry's and the chain's records (and, "verified", the acceptance):
 on CUDA in one Triton kernel (spec_decode/draft_bookkeeping.py: ~40 small kernels fewer per replay), elsewhere
@@ -90,10 +86,8 @@ import torch
 import research_lm.ops
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm import rng
-from research_lm.buffers import DeviceTokens
 from research_lm.cuda_graphs import Capture
 from research_lm.sampler import apply_temperature, random_sample
-from research_lm.spec import PendingDrafts
 
 # (ids [T], positions [T], metadata, features or carry [T, F] | None) -> (out for the logits [T, H], carry | None)
 DraftForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],
@@ -172,7 +166,7 @@ class DraftGraphs:
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.staging = torch.zeros(staged, **i64)
-        pin = device.type == "cuda"  # the host side of the one copy each way, without a sync
+        pin = device.type == "cuda"  # the host side of the staging copy, without a sync
         # Two, alternating: under async scheduling a replay is staged before the previous one's copy has run.
         self._staging_host = [torch.zeros(staged, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._staged = [torch.cuda.Event() if pin else None for _ in range(2)]  # each buffer's copy has run
@@ -186,11 +180,7 @@ class DraftGraphs:
         self.query_start_loc, self.seq_lens = torch.zeros(a + 1, **i32), torch.zeros(steps, a, **i32)
         self.slot_mapping = torch.full((steps, a), -1, **i64)
         self.request_rows = torch.full((a,), -1, **i32)  # stays -1: only state layers read it, drafters have none
-        self.next_tokens = torch.zeros(self.k + 1, a, **i64)  # row 0: the emitted last token ("verified")
-        self.drafts = self.next_tokens[1:]  # draft j of request i at [j, i]: step j + 1 reads row j
-        self.start_shift = torch.zeros(a, **i64)
-        self.drafts_host = torch.zeros(self.k, a, dtype=torch.int64, pin_memory=pin)
-        self.drafts_copied = torch.cuda.Event() if pin else None
+        self._drafts = torch.zeros(self.k, a, **i64)  # draft j of request i at [j - 1, i]: step j reads row j - 1
         # Index tensors a graph reads live here: a capture keeps the graph, not the function, so a tensor made
         # in `_draft_fn` is freed (and its memory reused) once the capture returns.
         self.chain_steps = torch.arange(steps, **i64)[:, None]  # [k-1, 1]: 0 .. k-2
@@ -265,7 +255,7 @@ class DraftGraphs:
         qsl, seq_lens, slots, positions = self.query_start_loc[: b + 1], self.seq_lens[:, :b], \
             self.slot_mapping[:, :b], self.positions[:, :b]
         chain_md = [self._record(qsl, seq_lens[j], slots[j], b, b, 1) for j in range(self.k - 1)]
-        drafts = self.drafts[:, :b]
+        drafts = self._drafts[:, :b]
         block_table, last_block = self.block_table[:b], self.block_table.shape[1] - 1
 
         def slot_of(rows: torch.Tensor, pos: torch.Tensor, writes: torch.Tensor) -> torch.Tensor:
@@ -295,8 +285,6 @@ class DraftGraphs:
                 last_row = lay.q * torch.arange(b, device=st.device) + n_acc
                 budgets = (budget - n_acc - 2).clamp(min=0, max=self.k)
                 entry_seq_lens.copy_(torch.where(real, pos[lay.q - 1 :: lay.q] + 1, 0))
-                self.next_tokens[0, :b].copy_(g.gather(1, n_acc[:, None]).squeeze(1))
-                self.start_shift[:b].copy_(n_acc - self.k)
             else:
                 writes, last_row, budgets = req_in >= 0, last, budget
                 entry_seq_lens.copy_(seq_lens_in)
@@ -317,8 +305,8 @@ class DraftGraphs:
 
             draft_bookkeeping(
                 st[: lay.size], offsets, pos, verified[:2] if rule == "verified" else None, block_table, entry_qsl,
-                entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots, self.next_tokens[0, :b],
-                self.start_shift[:b], b=b, q=lay.q, k=self.k, block_size=bs)
+                entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots, b=b, q=lay.q, k=self.k,
+                block_size=bs)
             return last_rows
 
         offsets = {"req": lay.token(2).start, "qsl": lay.request(0).start, "seq": lay.request(1).start,
@@ -379,17 +367,17 @@ class DraftGraphs:
         tokens: Sequence[int],  # [T] the entry rows' tokens, request after request (ignored when `verified`)
         starts: Sequence[int],  # [n] position of each request's first entry row
         lens: Sequence[int],  # [n] its entry rows (1 .. q)
-        budgets: Sequence[int],  # [n] drafts it wants (0: none; its entry rows still write the drafter's KV)
+        budgets: Sequence[int] | torch.Tensor,  # [n] drafts it wants (0: none; its entry rows still write the
+        # drafter's KV); the "verified" rule: each request's room, which may be an int tensor on the device
         # (feature rows [T] on the device, out [T, F]) -> out: writes the entry rows' target features in place
         features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
         sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
         verified: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # the "verified" rule: the verify
-        # step's argmax, input ids and positions [n * q] (device); `tokens` and `starts` are then ignored and
-        # `budgets` are each request's room
+        # step's argmax, input ids and positions [n * q] (device); `tokens` and `starts` are then ignored
     ) -> torch.Tensor | None:  # "sample": q [n, k, V]
-        """Replay the step's graph. Request r's drafts 1 .. budget stay in `drafts[:, r]` until the next replay
-        (`pending` hands them out), their copy to the host under way."""
+        """Replay the step's graph. Request r's drafts 1 .. budget stay on the device until the next replay
+        (`drafts` hands them out)."""
         n, num_tokens = len(lens), sum(lens)
         assert self.serves(n) and max(lens) <= self.entry_limit(n) and (features is None) == (self.features is None)
         lay = self._layout(n, max(lens))
@@ -417,7 +405,9 @@ class DraftGraphs:
         request(0)[n + 1 :] = num_tokens
         request(1)[:n] = np.asarray(starts) + lens_np
         request(2)[:n] = ends - 1
-        request(3)[:n] = budgets
+        on_device = isinstance(budgets, torch.Tensor)
+        if not on_device:
+            request(3)[:n] = budgets
         request(4)[:n] = rows
         request(7)[:] = 1  # padding rows are greedy
         if sampling is not None:
@@ -432,6 +422,8 @@ class DraftGraphs:
         staged.copy_(staging_host[: lay.size], non_blocking=True)
         if staged_event is not None:
             staged_event.record()
+        if on_device:
+            staged[lay.request(3)][:n].copy_(budgets)
         cols = min(block_table.shape[1], self.block_table.shape[1])
         if list(rows) == list(range(n)):  # the step's first n rows, in order (the "verified" rule): no gather
             self.block_table[:n, :cols].copy_(block_table[:n, :cols])
@@ -447,18 +439,20 @@ class DraftGraphs:
                     dst[:num_tokens].copy_(src)
             rule = "verified"
         self._replay[lay, rule]()
-        self.drafts_host.copy_(self.drafts, non_blocking=True)  # all of it: one contiguous copy
-        if self.drafts_copied is not None:
-            self.drafts_copied.record()
         return None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
 
-    def pending(self, rows: dict[str, int]) -> PendingDrafts:
-        """The last replay's drafts of the requests at these graph rows (request id -> row)."""
-        tokens = DeviceTokens(self.drafts.view(-1), rows, stride=self.drafts.shape[1])
-        return PendingDrafts(tokens, self.drafts_host, self.drafts_copied)
-
-    def ahead(self, rows: dict[str, int]) -> DeviceTokens:
-        """After a "verified" replay: the next verify step's q inputs of the requests at these graph rows (request id
-        -> row): the last token each emits, then its drafts, with each one's start correction."""
-        return DeviceTokens(self.next_tokens.view(-1), rows, stride=self.next_tokens.shape[1],
-                            start_shift=self.start_shift)
+    def drafts(self, rows: Sequence[int]) -> torch.Tensor:  # [len(rows), k] int64 on the device
+        """The last replay's drafts of the requests at these graph rows: row i holds drafts 1 .. k of graph row rows[i]
+        (those past its budget are noise). A gather into a new tensor, so the next replay leaves it alone; enqueued
+        on the current stream behind the replay, with no host sync."""
+        rows = list(rows)
+        if not rows:
+            return self._drafts.new_empty(0, self.k)
+        first, a = rows[0], self._drafts.shape[1]
+        assert 0 <= min(rows) and max(rows) < a, f"graph rows {rows} outside 0 .. {a - 1}"
+        if rows == list(range(first, first + len(rows))):  # a run of rows (the "verified" rule's): no index to copy
+            return self._drafts[:, first : first + len(rows)].t().contiguous()
+        # Pinned, so the copy does not wait for the stream (a pageable one would); the host allocator keeps the
+        # pinned block until the copy has run.
+        index = torch.tensor(rows, dtype=torch.int64, pin_memory=self._drafts.is_cuda)
+        return self._drafts.t().index_select(0, index.to(self._drafts.device, non_blocking=True))

@@ -13,7 +13,7 @@ at the target's slot for p. Each step, per request:
    the target computed, the draft computed in the same step.
 2. Draft: the logits at x[n] give d1; feed d1 at n+1, ..., d(k-1) at n+k-1 (`num_lookahead_tokens`
    = k slots past the verified tokens). Greedy requests take argmaxes; sampling requests draw from
-   their processed draft distribution q and return it (`Proposal.probs`).
+   their processed draft distribution q and return it (`Drafts.probs`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from research_lm.cuda_graphs import Capture, uncapturable_reason
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
 from research_lm.request import Request
-from research_lm.spec import DraftTarget, Proposal, Proposer, StepOutcome, register_proposer
+from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
 
@@ -81,7 +81,7 @@ class DraftModelProposer(Proposer):
         positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
         return positions, self._forward(tokens, positions, md)
 
-    def propose(self, outcome: StepOutcome) -> Proposal:
+    def propose(self, outcome: StepOutcome) -> Drafts:
         reqs, emitted = outcome.requests, outcome.emitted
         drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
         computed = outcome.common.num_computed_tokens_cpu.tolist()
@@ -91,7 +91,7 @@ class DraftModelProposer(Proposer):
         for i, (req, e) in enumerate(zip(reqs, emitted, strict=True)):
             valid = self._valid(req, e, computed[i])
             if e:  # recompute x[n] at least: its logits give the first draft
-                newest[i] = req.num_tokens + len(e) - 1
+                newest[i] = req.num_known_tokens + len(e) - 1
                 valid, end = min(valid, newest[i]), newest[i] + 1
             else:  # a prompt chunk: the target computed up to seq_len
                 end = seq_lens[i]
@@ -102,7 +102,7 @@ class DraftModelProposer(Proposer):
                 tokens += token_span(req, e, valid, end)
             self._fed[req.request_id] = (max(valid, end), [])
         if not batch_rows:
-            return drafting.proposal(reqs)
+            return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
         graphs_fit = self.graphs is not None and self.graphs.serves(len(lens))
         rule = drafting.pick_rule(self.vocab_size) if graphs_fit else None
         if rule is not None:
@@ -111,7 +111,7 @@ class DraftModelProposer(Proposer):
         else:
             positions, hidden = self._entry(outcome, batch_rows, starts, lens, tokens)
             if not drafting.index:
-                return drafting.proposal(reqs)
+                return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
             row_in_batch = {i: r for r, i in enumerate(batch_rows)}
             ends = torch.tensor(lens).cumsum(0) - 1
             last = ends[[row_in_batch[i] for i in drafting.index]].to(positions.device)
@@ -124,7 +124,7 @@ class DraftModelProposer(Proposer):
                            self.vocab_size, step)
         for i, req, toks in zip(drafting.index, drafting.requests, drafting.tokens, strict=True):
             self._fed[req.request_id] = (newest[i] + 1, toks[:-1])  # d(k) was never fed
-        return drafting.proposal(reqs)
+        return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
                             verified_inputs: tuple[torch.Tensor, ...] | None = None,

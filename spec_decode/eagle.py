@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from research_lm.buffers import DeviceTokens
 from research_lm.cuda_graphs import Capture, uncapturable_reason
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, is_rotary_buffer, load_params
 from research_lm.models.layers import (
@@ -57,12 +56,13 @@ from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecode
 from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
 from research_lm.sampler import plain_greedy
-from research_lm.spec import DraftTarget, Proposal, Proposer, StepOutcome, register_proposer
+from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
     check_shape,
+    device_budgets,
     draft_metadata,
     expected_checkpoint_names,
     head_dir,
@@ -70,7 +70,6 @@ from spec_decode.heads import (
     read_head_tensors,
     start_drafting,
     token_span,
-    tokens_left,
 )
 
 
@@ -279,7 +278,6 @@ class EagleProposer(Proposer):
         self.max_model_len = max_model_len
         self.cache_layers = cache_layers_of(head)
         self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
-        self._drafted_before_verification: StepOutcome | None = None  # the step whose drafts are under way
 
     def _embedding(self) -> nn.Module:
         return self.head.embed_tokens if self.head.embed_tokens is not None else self.target_embed
@@ -320,12 +318,12 @@ class EagleProposer(Proposer):
         rows = torch.tensor(feature_rows, dtype=torch.int64, device=device)
         return self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
 
-    def propose_before_verification(self, outcome: StepOutcome) -> Callable[[], None] | None:
-        """Draft this step from the "verified" graph (spec_decode/draft_graphs.py), right behind the verify forward
-        and before the host knows what the target emitted: where every request is a plain-greedy decode that
-        verifies k drafts (q = k + 1 rows each) and a graph fits the batch. For request r the entry is then its
-        emitted tokens (the verify's argmax at rows 0 .. n_acc) at positions c .. c + n_acc, exactly the rows
-        `propose` would enter, and its drafts are the same. The launch of that drafting, or None."""
+    def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
+        """Draft this step from the "verified" graph (spec_decode/draft_graphs.py), right behind the verify forward,
+        from device values alone: where every request is a plain-greedy decode that verifies k drafts (q = k + 1 rows
+        each) and a graph fits the batch. For request r the entry is then its emitted tokens (the verify's argmax at
+        rows 0 .. n_acc) at positions c .. c + n_acc, exactly the rows `propose` would enter, and its drafts are the
+        same. None where it cannot (then `propose` drafts at collect)."""
         graphs, reqs, common = self.graphs, outcome.requests, outcome.common
         q = self.num_speculative_tokens + 1
         if (graphs is None or not graphs.drafts_verified or outcome.greedy_ids is None or not graphs.serves(len(reqs))
@@ -334,39 +332,27 @@ class EagleProposer(Proposer):
         computed = common.num_computed_tokens_cpu.tolist()
         if not all(c + 1 == r.num_tokens and plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
             return None
-        # Each request's room before this step's tokens; the graph subtracts what it emits (`draft_budget`). Launched
-        # ahead (async scheduling), the last step's placeholders count as if all its drafts were accepted: a lower
-        # bound, which the scheduler keeps from cutting a budget (`Scheduler.can_schedule_ahead`).
-        rooms = [tokens_left(r, self.max_model_len) for r in reqs]
+        # Each request's room before this step's tokens, from the device table (the graph subtracts what it emits:
+        # `draft_budget`): exact, where the host's counts may assume a step in flight accepted all its drafts.
+        rows = outcome.tokens.rows.long()
+        rooms = self.max_model_len - outcome.tokens.num_tokens[rows].long() + outcome.num_emitted.long()
         t = common.num_tokens
+        graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
+                   features=lambda _, out: self._target_features(outcome, slice(0, t), out),
+                   verified=(outcome.greedy_ids[:t], outcome.input_ids[:t], outcome.positions[:t]))
+        budgets = device_budgets(outcome, self.num_speculative_tokens, self.max_model_len)
+        return Drafts(list(range(len(reqs))), graphs.drafts(range(len(reqs))), budgets)
 
-        def launch() -> None:
-            graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
-                       features=lambda _, out: self._target_features(outcome, slice(0, t), out),
-                       verified=(outcome.greedy_ids[:t], outcome.input_ids[:t], outcome.positions[:t]))
-            self._drafted_before_verification = outcome
-
-        return launch
-
-    def ahead_inputs(self, outcome: StepOutcome) -> DeviceTokens:
-        """After `propose_before_verification`'s launch: each request's next verify inputs (its last emitted token,
-        then its drafts) and its start correction, on the device (`DraftGraphs.ahead`)."""
-        return self.graphs.ahead({r.request_id: i for i, r in enumerate(outcome.requests)})
-
-    def propose(self, outcome: StepOutcome) -> Proposal:
+    def propose(self, outcome: StepOutcome) -> Drafts:
         reqs, emitted = outcome.requests, outcome.emitted
         drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
-        if self._drafted_before_verification is outcome:  # the graph drafted what this step emitted
-            self._drafted_before_verification = None
-            drafting.left_on_device(self.graphs, {i: i for i in drafting.index})
-            return drafting.proposal(reqs)
         qsl = outcome.query_start_loc_cpu.tolist()
         computed = outcome.common.num_computed_tokens_cpu.tolist()
         # Rows (x[t+1], feature_t) for the verified positions t = c .. end-1 of every request.
         batch_rows, starts, lens, tokens, feature_rows = [], [], [], [], []
         for i, (req, e) in enumerate(zip(reqs, emitted, strict=True)):
             c = computed[i]
-            count = req.num_tokens + len(e) - 1 - c if e else qsl[i + 1] - qsl[i]
+            count = req.num_known_tokens + len(e) - 1 - c if e else qsl[i + 1] - qsl[i]
             batch_rows.append(i)
             starts.append(c)
             lens.append(count)
@@ -378,10 +364,10 @@ class EagleProposer(Proposer):
             drafting.replay(self.graphs, rule, outcome.common.block_table, batch_rows, starts, lens, tokens,
                             lambda *span: self._entry(outcome, *span), feature_rows=feature_rows,
                             features=lambda rows, out: self._target_features(outcome, rows, out))
-            return drafting.proposal(reqs)
+            return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
         out, hidden = self._entry(outcome, batch_rows, starts, lens, tokens, feature_rows)
         if not drafting.index:
-            return drafting.proposal(reqs)
+            return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
         last = (torch.tensor(lens).cumsum(0) - 1)[drafting.index].to(out.device)  # each request's last row
 
@@ -392,7 +378,7 @@ class EagleProposer(Proposer):
 
         last_pos = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
         drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last])
-        return drafting.proposal(reqs)
+        return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
                             verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,

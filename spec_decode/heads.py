@@ -27,7 +27,7 @@ from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm import rng
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import checkpoint_files, iter_checkpoint, resolve_model_path
-from research_lm.request import PLACEHOLDER, Request
+from research_lm.request import Request
 from research_lm.sampler import (
     SamplingBatch,
     SamplingRow,
@@ -36,7 +36,7 @@ from research_lm.sampler import (
     process_logits,
     random_sample,
 )
-from research_lm.spec import PendingDrafts, Proposal
+from research_lm.spec import Drafts, StepOutcome
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 
 # ---------------------------------------------------------------------------------------------------
@@ -142,22 +142,29 @@ def token_span(req: Request, emitted: Sequence[int], start: int, end: int) -> li
     return out
 
 
-def tokens_left(req: Request, max_model_len: int, num_emitted: int = 0) -> int:
-    """Positions the request may still fill after `num_emitted` more tokens: max_model_len bounds it. max_tokens
-    does not: drafts past it are verified and their tokens dropped, as the scheduler does (`Scheduler.
-    _num_new_tokens_running`), so that near its end a request drafts k like the others and the step stays uniform."""
-    return max_model_len - (req.num_tokens + num_emitted)
-
-
 def draft_budget(req: Request, emitted: Sequence[int], k: int, max_model_len: int) -> int:
-    """Drafts worth proposing: the scheduler keeps at most room - 1 (k drafts emit up to k + 1 tokens). A request
-    that emitted nothing (a prompt chunk that did not reach its end) or that this step's tokens bring to max_tokens
-    drafts nothing. Under async scheduling the request may still hold this step's placeholders: `emitted` are
-    their values, so only its known tokens count besides."""
-    max_tokens, held = req.sampling_params.max_tokens, req.num_output_placeholders
-    if not emitted or (max_tokens is not None and req.num_output_tokens - held + len(emitted) >= max_tokens):
+    """Drafts worth proposing: the scheduler keeps at most room - 1 (k drafts emit up to k + 1 tokens); max_tokens
+    does not cut them (drafts past it are verified and their tokens dropped, as the scheduler does, so that near its
+    end a request drafts k like the others and the step stays uniform). A request that emitted nothing (a prompt
+    chunk that did not reach its end) or that this step's tokens bring to max_tokens drafts nothing. At collect its
+    outputs in flight are this step's, whose values are `emitted`: they count besides its known tokens."""
+    max_tokens = req.sampling_params.max_tokens
+    if not emitted or (max_tokens is not None and len(req.output_token_ids) + len(emitted) >= max_tokens):
         return 0
-    return max(0, min(k, tokens_left(req, max_model_len, len(emitted) - held) - 1))
+    return max(0, min(k, max_model_len - (req.num_known_tokens + len(emitted)) - 1))
+
+
+def device_budgets(outcome: StepOutcome, k: int, max_model_len: int) -> torch.Tensor:  # [n] int32 on the device
+    """`draft_budget` at launch, before the host knows what each request emitted: from each row's token count in the
+    device table (this step's tokens appended), exact even where the host's counts are guesses (async scheduling)."""
+    never = 1 << 40
+    limit = [r.num_prompt_tokens + (never if r.sampling_params.max_tokens is None else r.sampling_params.max_tokens)
+             for r in outcome.requests]  # the token count at which max_tokens stops the request
+    device = outcome.num_emitted.device
+    num_tokens = outcome.tokens.num_tokens[outcome.tokens.rows.long()].long()
+    budget = (max_model_len - num_tokens - 1).clamp(0, k)
+    stops = (outcome.num_emitted == 0) | (num_tokens >= rng.to_device(limit, torch.int64, device))
+    return torch.where(stops, 0, budget).to(torch.int32)
 
 
 @dataclass
@@ -171,7 +178,7 @@ class Drafting:
     need_probs: bool  # some request samples: keep q for every drafted token
     tokens: list[list[int]] = field(default_factory=list)
     probs: list[list[torch.Tensor] | torch.Tensor] = field(default_factory=list)
-    pending: PendingDrafts | None = None  # a graph replay's drafts, still on the device (tokens: PLACEHOLDERs)
+    on_device: torch.Tensor | None = None  # [len(index), k] int64: a graph replay's drafts (then `tokens` is unused)
 
     def __post_init__(self) -> None:
         self.tokens = [[] for _ in self.index]
@@ -180,7 +187,8 @@ class Drafting:
     def _row(self, a: int) -> SamplingRow:
         """The sampling row of request a's next draft: its outputs, this step's emitted tokens, its drafts so far
         (referenced, not concatenated: only a penalty builds the list)."""
-        return SamplingRow(self.requests[a], then=[*self.emitted[a], *self.tokens[a]])
+        req = self.requests[a]  # its outputs in flight are this step's, `emitted`: counted once, from the known list
+        return SamplingRow(req, req.output_token_ids, then=[*self.emitted[a], *self.tokens[a]])
 
     def active(self, j: int) -> list[int]:
         """Positions (into this object's lists) of the requests that want a (j+1)-th draft."""
@@ -202,7 +210,8 @@ class Drafting:
         earlier draft's value (no penalty), only its count (the output position). The same tokens and q as `add` draft
         by draft, in one `pick_tokens` batch and one host copy instead of one per draft."""
         at = [(a, j) for a, b in enumerate(self.budget) for j in range(b)]
-        rows = [SamplingRow(self.requests[a], then=[*self.emitted[a], *[PLACEHOLDER] * j]) for a, j in at]
+        rows = [SamplingRow(self.requests[a], self.requests[a].output_token_ids, then=[*self.emitted[a], *[0] * j])
+                for a, j in at]  # (the drafts' values are unread: no penalty here)
         index = torch.tensor(at, dtype=torch.int64, device=logits.device).T
         tokens, probs = pick_tokens(logits[index[0], index[1], :vocab_size], rows, vocab_size, self.need_probs)
         for r, ((a, _), t) in enumerate(zip(at, tokens.tolist(), strict=True)):
@@ -261,7 +270,7 @@ class Drafting:
             out.temperature.append(1.0 if greedy else sp.temperature)
             out.greedy.append(greedy)
             out.seeds.append(0 if a is None else self.requests[a].seed)
-            out.positions.append(0 if a is None else self.requests[a].num_output_tokens + len(self.emitted[a]))
+            out.positions.append(0 if a is None else len(self.requests[a].output_token_ids) + len(self.emitted[a]))
         return out
 
     def replay(
@@ -299,19 +308,19 @@ class Drafting:
 
     def left_on_device(self, graphs: DraftGraphs, by_row: dict[int, int]) -> None:
         """The last replay drafted for these requests (graph row by_row[i] holds the request at step row i): their
-        drafts stay on the device (PLACEHOLDERs here) until the runner verifies them."""
-        self.tokens = [[PLACEHOLDER] * b for b in self.budget]
+        drafts stay on the device, where the runner writes them into its token table."""
         if self.index:
-            self.pending = graphs.pending({req.request_id: by_row[i] for req, i in zip(self.requests, self.index)})
+            self.on_device = graphs.drafts([by_row[i] for i in self.index])
 
-    def proposal(self, all_requests: Sequence[Request]) -> Proposal:
-        token_ids = {r.request_id: [] for r in all_requests}
+    def proposal(self, k: int, device: torch.device) -> Drafts:
+        """The drafts (up to k per drafting request) for the runner."""
         probs = {}
-        for req, toks, ps in zip(self.requests, self.tokens, self.probs, strict=True):
-            token_ids[req.request_id] = toks
+        for req, ps in zip(self.requests, self.probs, strict=True):
             if len(ps):  # a list of [vocab] rows (eager), or [num_drafts, vocab] from a graph
                 probs[req.request_id] = ps if isinstance(ps, torch.Tensor) else torch.stack(ps)
-        return Proposal(token_ids, probs, self.pending)
+        if self.on_device is not None:
+            return Drafts(self.index, self.on_device, list(self.budget), probs)
+        return Drafts.from_lists(self.index, self.tokens, k, device, probs)
 
 
 def start_drafting(

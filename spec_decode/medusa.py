@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,11 +26,13 @@ from torch import nn
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, load_params
 from research_lm.models.layers import Linear
 from research_lm.models.loader import checkpoint_files, read_json_config
-from research_lm.request import PLACEHOLDER
-from research_lm.spec import DraftTarget, PendingDrafts, Proposal, Proposer, StepOutcome, register_proposer
+from research_lm.rng import to_device
+from research_lm.sampler import plain_greedy
+from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 from spec_decode.heads import (
     check_names,
     check_shape,
+    device_budgets,
     expected_checkpoint_names,
     head_dir,
     read_tensors,
@@ -102,8 +105,8 @@ class MedusaHeads(nn.ModuleList):
 
 class MedusaProposer(Proposer):
     """`research_lm.spec.Proposer`: draft j of a request is head j's choice at its last verified row. Greedy drafts
-    stay on the device (`PendingDrafts`): the next step's forward reads them there, and nothing waits for the heads
-    before that step verifies them."""
+    are picked on the device at launch (`propose_on_device`), so async scheduling launches the next step behind them;
+    a request that samples its drafts or reads a penalty drafts at collect."""
 
     aux_hidden_state_layers: tuple[int, ...] = ()
 
@@ -119,34 +122,45 @@ class MedusaProposer(Proposer):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
-    def propose(self, outcome: StepOutcome) -> Proposal:
+    def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
+        """Every request plain greedy: each draft is a raw argmax of its head at the row that predicted the request's
+        last emitted token, which the device knows: qsl[i + 1] - d_i - 2 + num_emitted[i] (d_i drafts verified)."""
+        reqs = outcome.requests
+        if not all(plain_greedy(r) for r in reqs):
+            return None
+        qsl = outcome.query_start_loc_cpu.numpy()
+        drafts = np.fromiter((r.num_spec_tokens for r in reqs), dtype=np.int64, count=len(reqs))
+        device = outcome.hidden_states.device
+        base = to_device(torch.from_numpy(qsl[1:] - drafts - 2), torch.int64, device)
+        rows = (base + outcome.num_emitted).clamp_(min=0)  # a request that emitted nothing drafts nothing (budget 0)
+        logits = self.heads(outcome.hidden_states[rows], self.num_speculative_tokens)  # [n, k, V]
+        top = logits[:, :, : self.vocab_size].argmax(dim=-1)
+        budgets = device_budgets(outcome, self.num_speculative_tokens, self.max_model_len)
+        return Drafts(list(range(len(reqs))), top, budgets)
+
+    def propose(self, outcome: StepOutcome) -> Drafts:
         reqs = outcome.requests
         drafting = start_drafting(reqs, outcome.emitted, self.num_speculative_tokens, self.max_model_len)
         if not drafting.index:
-            return drafting.proposal(reqs)
+            return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
         qsl = outcome.query_start_loc_cpu.tolist()
         computed = outcome.common.num_computed_tokens_cpu.tolist()
         # Row of position n-1 in the step's batch: the target computed c .. n-1 (+ rejected drafts).
         rows = [
-            qsl[i] + (reqs[i].num_tokens + len(outcome.emitted[i]) - 1 - computed[i]) - 1 for i in drafting.index
+            qsl[i] + (reqs[i].num_known_tokens + len(outcome.emitted[i]) - 1 - computed[i]) - 1 for i in drafting.index
         ]
         hidden = outcome.hidden_states[torch.tensor(rows, dtype=torch.int64, device=outcome.hidden_states.device)]
         logits = self.heads(hidden, self.num_speculative_tokens)  # [R, k, V]: heads past k would go unused
         rule = drafting.pick_rule(self.vocab_size)
-        if rule == "argmax":  # every draft a raw argmax, left on the device
-            top = logits[:, :, : self.vocab_size].argmax(dim=-1)  # [R, k]
-            drafting.tokens = [[PLACEHOLDER] * b for b in drafting.budget]
-            drafting.pending = PendingDrafts.start(top, {r.request_id: a for a, r in enumerate(drafting.requests)})
-            return drafting.proposal(reqs)
         if rule == "sample":  # the heads do not read each other's drafts: all of them in one batch
             drafting.add_independent(logits, self.vocab_size)
-            return drafting.proposal(reqs)
+            return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
         for j in range(self.num_speculative_tokens):  # a penalty reads the drafts before: one at a time
             active = drafting.active(j)
             if not active:
                 break
             drafting.add(active, logits[active, j], self.vocab_size)
-        return drafting.proposal(reqs)
+        return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         pass  # stateless

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from research_lm.request import Request
-from research_lm.spec import DraftTarget, Proposal, Proposer, StepOutcome, register_proposer
+from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from spec_decode.ngram_device import ngram_drafts
 
 
 class NgramProposer:
@@ -78,55 +79,27 @@ def find_ngram_proposals(
     return out
 
 
-class _TokenArrays:
-    """Each live request's prompt + outputs as a growing int64 array, so a step copies in only the tokens
-    added since the last one instead of converting the whole list again."""
-
-    def __init__(self) -> None:
-        self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens filled)
-
-    def get(self, req: Request, emitted: Sequence[int]) -> np.ndarray:  # [num_tokens + len(emitted)]
-        n = req.num_tokens
-        m = n + len(emitted)
-        buf, filled = self._arrays.get(req.request_id, (None, 0))
-        filled = filled if filled <= n else 0  # (never fewer tokens than before while live; rebuild if so)
-        if buf is None or buf.shape[0] < m:
-            grown = np.empty(max(2 * m, 256), dtype=np.int64)
-            if buf is not None:
-                grown[:filled] = buf[:filled]
-            buf = grown
-        if filled < n:
-            buf[filled:n] = req.token_ids_slice(filled, n)
-        buf[n:m] = emitted  # not kept as filled: the scheduler may still cut them at a stop
-        self._arrays[req.request_id] = (buf, n)
-        return buf[:m]
-
-    def drop(self, req_ids: set[str]) -> None:
-        for req_id in req_ids:
-            self._arrays.pop(req_id, None)
-
-
 class NgramStepProposer(Proposer):
-    """`research_lm.spec.Proposer` over `NgramProposer`: needs no hidden states or q."""
-
-    aux_hidden_state_layers: tuple[int, ...] = ()
+    """`research_lm.spec.Proposer` over the n-gram rule, looked up on the device in the runner's token table
+    (spec_decode/ngram_device.py, equal to `find_ngram_proposals`): it needs no host values, so every step drafts at
+    launch and async scheduling may launch the next step right behind it."""
 
     def __init__(self, ngram: NgramProposer) -> None:
         self.ngram = ngram
         self.num_speculative_tokens = ngram.num_speculative_tokens
-        self._tokens = _TokenArrays()
 
-    def propose(self, outcome: StepOutcome) -> Proposal:
-        # `emitted` is not yet appended to the requests; a request that emitted nothing (a prompt
-        # chunk short of the end) gets no drafts.
-        live = [(r, e) for r, e in zip(outcome.requests, outcome.emitted, strict=True) if e]
-        drafts = self.ngram.propose([self._tokens.get(r, e) for r, e in live])
-        token_ids = {r.request_id: [] for r in outcome.requests}
-        token_ids.update({r.request_id: d for (r, _), d in zip(live, drafts)})
-        return Proposal(token_ids)
+    def propose_on_device(self, outcome: StepOutcome) -> Drafts:
+        # A bound of every row's length: its tokens before the step (scheduled drafts included) and what it emits.
+        k = self.num_speculative_tokens
+        max_len = max(r.num_tokens_with_spec for r in outcome.requests) + k + 1
+        drafts, num = ngram_drafts(outcome.tokens.token_ids, outcome.tokens.num_tokens, outcome.tokens.rows.long(),
+                                   min_n=self.ngram.prompt_lookup_min, max_n=self.ngram.prompt_lookup_max, k=k,
+                                   max_len=min(max_len, outcome.tokens.token_ids.shape[1]))
+        # a request that emitted nothing (a prompt chunk short of its end) drafts nothing
+        num = torch.where(outcome.num_emitted > 0, num, 0)
+        return Drafts(list(range(len(outcome.requests))), drafts, num)
 
-    def on_requests_removed(self, req_ids: set[str]) -> None:
-        self._tokens.drop(req_ids)
+    propose = propose_on_device
 
 
 @register_proposer("ngram", prompt_lookup_min="posint?", prompt_lookup_max="posint?")

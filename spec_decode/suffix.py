@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from research_lm.request import Request
-from research_lm.spec import DraftTarget, Proposal, Proposer, StepOutcome, register_proposer
+from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 
 _NONE = -1  # best child: the node has no children
 _STALE = -2  # best child: a child's count went down; recounted from the children when next needed
@@ -263,21 +263,21 @@ class SuffixProposer(Proposer):
         self.finished = FinishedOutputs(max_tree_depth, max_cached_requests)
         self._live: dict[str, _Live] = {}
 
-    def propose(self, outcome: StepOutcome) -> Proposal:
+    def propose(self, outcome: StepOutcome) -> Drafts:
         # `emitted` is not yet appended to the requests; a request that emitted nothing (a prompt chunk short of the
         # end) gets no drafts.
-        token_ids: dict[str, list[int]] = {}
-        for req, emitted in zip(outcome.requests, outcome.emitted, strict=True):
+        index, token_ids = [], []
+        for i, (req, emitted) in enumerate(zip(outcome.requests, outcome.emitted, strict=True)):
             if not emitted:
-                token_ids[req.request_id] = []
                 continue
             live = self._live.get(req.request_id)
-            if live is None or live.num_tokens != req.num_tokens:  # first drafts (again, after a preemption)
+            if live is None or live.num_tokens != req.num_known_tokens:  # first drafts (again, after a preemption)
                 live = self._live[req.request_id] = self._start(req)
             for token in emitted:
                 self._append(live, token)
-            token_ids[req.request_id] = self._draft(live)
-        return Proposal(token_ids)
+            index.append(i)
+            token_ids.append(self._draft(live))
+        return Drafts.from_lists(index, token_ids, self.num_speculative_tokens, outcome.input_ids.device)
 
     def on_requests_removed(self, req_ids: set[str]) -> None:
         """A finished request's output goes to the global tree (a preempted one's comes back when it finishes)."""

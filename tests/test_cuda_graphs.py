@@ -470,52 +470,20 @@ def test_decode_shaped_step_with_a_prompt_chunk_samples_eagerly(tiny_checkpoint)
     assert (run.replays, run.sampled) == (6, 5)
 
 
-def checking_uniform_steps(runner) -> list[tuple[int, int, bool]]:
-    """Make every step `_prepare_uniform` stages also run the general path, which must write the same device buffers
-    (padding included) and the same record; per such step (B, q, whether some input token was on the device)."""
-    keys, uniform = [], runner._prepare_uniform
-
-    def both(scheduled, key):
-        common, rows, got_key, indices = uniform(scheduled, key)
-        b, q = key
-        buf = runner.buffers
-        views = lambda: [x.gpu[:m].clone() for x, m in ((buf.input_ids, b * q), (buf.positions, b * q),  # noqa: E731
-                         (buf.slot_mapping, b * q), (buf.seq_lens, b), (buf.query_start_loc, b + 1),
-                         (buf.request_rows, b))]
-        staged, record = views(), _record(common)
-        held = bool((runner.buffers.staging.np[: b * q] < 0).any())
-        runner.uniform_inputs = False
-        try:
-            general = runner._prepare_inputs(scheduled)
-        finally:
-            runner.uniform_inputs = True
-        assert all(torch.equal(a, w) for a, w in zip(staged, views(), strict=True)), (staged, views())
-        assert record == _record(general[0]) and (rows, got_key, indices) == tuple(general[1:])
-        keys.append((*key, held))
-        return common, rows, got_key, indices
-
-    runner._prepare_uniform = both
-    return keys
-
-
-def _record(common) -> dict:
-    return {name: value.tolist() if isinstance(value, torch.Tensor) else value for name, value in vars(common).items()}
-
-
 @cpu_only
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_uniform_graph_steps_stage_what_the_general_path_stages(tiny_checkpoint, asynchronous):
-    """Decode steps under graphs take the one-copy path (`ModelRunner._prepare_uniform`); it writes exactly what the
-    general path writes, padded batches (3 -> 4) included, and with async scheduling, whose input token is still on
-    the device, too. The tokens stay the eager ones."""
+def test_graph_steps_gather_their_inputs_from_the_device_tables(tiny_checkpoint, asynchronous):
+    """Decode steps under graphs, padded batches (3 -> 4) included, with async scheduling too (whose input token is
+    still on the device when the step is launched): the gather writes what the eager steps compute from, so the
+    tokens are the eager ones."""
     path = str(tiny_checkpoint("llama"))
     llm = LLM(path, async_scheduling=asynchronous, **CPU_KNOBS)
     runner = llm.engine.runner
     runner.cuda_graphs = _graph_capturing(runner, [1, 2, 4])
-    keys = checking_uniform_steps(runner)
     prompts, params = _prompts(llm.engine.info.vocab_size), _params([6, 4, 2])
-    assert _eager_tokens(llm, prompts, params) == _eager_tokens(LLM(path, **CPU_KNOBS), prompts, params)
-    assert (4, 1, asynchronous) in keys and (1, 1, asynchronous) in keys
+    got, keys = _verify_graph_run(llm, prompts, params)
+    assert got == _eager_tokens(LLM(path, **CPU_KNOBS), prompts, params)
+    assert (4, 1) in keys and (1, 1) in keys
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}

@@ -37,7 +37,7 @@ def test_the_scheduler_verifies_no_drafts_while_the_batch_is_over_the_limit():
     while sched.has_unfinished_requests():
         batch = len(sched.running) + len(sched.waiting)
         so = sched.schedule()
-        drafts = sum(len(s.spec_token_ids) for s in so.scheduled)
+        drafts = sum(s.num_spec_tokens for s in so.scheduled)
         sched.update_from_output(so, runner.execute(so))
         assert sched.stats().spec_disabled == (batch > 2)
         assert not (batch > 2 and drafts), "a step over the limit verifies no drafts"

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import research_lm.ops
 from research_lm import rng
 from research_lm.rejection_sampler import PLACEHOLDER_TOKEN_ID, parse_output, rejection_sample
 from research_lm.request import Request
@@ -337,3 +338,218 @@ def test_verify_ops_do_not_grow_with_batch_size(with_draft_probs):
         return ops.names
 
     assert count(4) == count(64)
+
+
+# --- Drafts on the device: the tensor form with num_valid ---------------------------------------
+
+
+def device_drafts_case(gen: torch.Generator, num_reqs: int, k_max: int, vocab: int, rows: str, with_q: bool):
+    """A tensor-form batch (k_i scheduled slots, the first num_valid[i] of them real drafts, junk after) and
+    its list-form twin: the drafts cut to num_valid[i], with their prob rows.
+
+    Junk slots hold -1, an out-of-vocabulary id, or the target's argmax (which a slot read by mistake would
+    accept). Rows 0-2 pin the edge cases: num_valid == k_max, == 0 and in between."""
+    k = torch.randint(0, k_max + 1, (num_reqs,), generator=gen)
+    k[:3] = k_max
+    valid = (torch.rand(num_reqs, generator=gen) * (k + 1)).long()  # uniform in 0 .. k_i
+    valid[:3] = torch.tensor([k_max, 0, k_max // 2])
+    target = random_probs(int(k.sum()) + num_reqs, vocab, gen)
+    cu_target = torch.cumsum(k + 1, 0) - (k + 1)
+    slot = torch.arange(k_max)
+    rows_of = (cu_target[:, None] + slot).clamp(max=len(target) - 1)  # [num_reqs, k_max]: slot j's target row
+    best = target.argmax(-1)[rows_of]
+    real = torch.where(torch.rand(num_reqs, k_max, generator=gen) < 0.75, best,
+                       torch.randint(0, vocab, (num_reqs, k_max), generator=gen))
+    junk = torch.stack([torch.full_like(best, -1), torch.full_like(best, vocab + 3), best], -1).gather(
+        -1, torch.randint(0, 3, (num_reqs, k_max, 1), generator=gen))[..., 0]
+    ids = torch.where(slot < valid[:, None], real, junk)  # [num_reqs, k_max]
+    q = None
+    if with_q:  # a drafter close to the target: long accepted runs and some rejections
+        draft_rows = torch.cat([cu_target[i] + torch.arange(int(k[i])) for i in range(num_reqs)]).long()
+        q = 0.5 * target[draft_rows] + 0.5 * random_probs(len(draft_rows), vocab, gen, zero_frac=0.0)
+    greedy = {"greedy": torch.ones(num_reqs, dtype=torch.bool), "random": torch.zeros(num_reqs, dtype=torch.bool),
+              "mixed": torch.rand(num_reqs, generator=gen) < 0.4}[rows]
+    seeds = torch.randint(0, 2**62, (num_reqs,), generator=gen).tolist()
+    positions = torch.randint(0, 500, (num_reqs,), generator=gen).tolist()
+    tensor_form = dict(draft_token_ids=ids, target_probs=target, draft_probs=q, num_drafts=k.tolist(),
+                       num_valid=valid)
+    cu_draft = cu_target - torch.arange(num_reqs)
+    cut_target = torch.cat([cu_target[i] + torch.arange(int(valid[i]) + 1) for i in range(num_reqs)])
+    cut_draft = torch.cat([cu_draft[i] + torch.arange(int(valid[i])) for i in range(num_reqs)]).long()
+    list_form = dict(draft_token_ids=[ids[i, : int(valid[i])].tolist() for i in range(num_reqs)],
+                     target_probs=target[cut_target], draft_probs=None if q is None else q[cut_draft])
+    return tensor_form, list_form, (greedy, seeds, positions)
+
+
+def in_vocab(form: dict, vocab: int) -> dict:
+    """The tensor form with its junk slots mapped into the vocabulary, so every scheduled slot is a draft."""
+    return dict(form, draft_token_ids=form["draft_token_ids"].abs() % vocab)
+
+
+def call(form: dict, shared: tuple, **overrides) -> torch.Tensor:
+    kwargs = {**form, **overrides}
+    return rejection_sample(kwargs.pop("draft_token_ids"), kwargs.pop("target_probs"), kwargs.pop("draft_probs"),
+                            *shared, **kwargs)
+
+
+def widen(out: torch.Tensor, width: int) -> torch.Tensor:  # pad a list-form output with -1 columns
+    return torch.nn.functional.pad(out, (0, width - out.shape[1]), value=PLACEHOLDER_TOKEN_ID)
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("rows", ["greedy", "random", "mixed"])
+@pytest.mark.parametrize("seed", range(3))
+def test_device_drafts_with_num_valid_equal_the_list_form_of_the_cut_drafts(seed, rows, with_q):
+    gen = torch.Generator().manual_seed(seed)
+    k_max = 4
+    tensor_form, list_form, shared = device_drafts_case(gen, 40, k_max, 11, rows, with_q)
+    if seed == 1:  # the runner's token table is int32
+        tensor_form.update(draft_token_ids=tensor_form["draft_token_ids"].int(),
+                           num_valid=tensor_form["num_valid"].int())
+    got = call(tensor_form, shared)
+    assert got.shape == (40, k_max + 1) and got.dtype == torch.int64
+    assert torch.equal(got, widen(call(list_form, shared), k_max + 1))
+    # The cases that matter occurred: a cut request that took its bonus (n_acc == num_valid < k_i), rejections.
+    valid, k = tensor_form["num_valid"].long(), torch.tensor(tensor_form["num_drafts"])
+    emitted = (got != PLACEHOLDER_TOKEN_ID).sum(1)
+    assert ((emitted == valid + 1) & (valid > 0) & (valid < k)).any()
+    assert (emitted < valid + 1).any()
+
+
+def test_num_valid_none_means_every_scheduled_slot():
+    """None, num_valid == num_drafts and a count past it (clamped) give the list form of the uncut drafts;
+    a negative count (clamped to 0) gives the zero-draft tokens."""
+    gen = torch.Generator().manual_seed(11)
+    tensor_form, _, shared = device_drafts_case(gen, 24, 3, 9, "mixed", True)
+    k = tensor_form["num_drafts"]
+    full = in_vocab(tensor_form, 9)
+    uncut = [full["draft_token_ids"][i, : k[i]].tolist() for i in range(24)]
+    want = widen(rejection_sample(uncut, full["target_probs"], full["draft_probs"], *shared), 4)
+    for num_valid in (None, torch.tensor(k), torch.tensor(k) + 3):
+        assert torch.equal(call(full, shared, num_valid=num_valid), want)
+    zero = call(full, shared, num_valid=torch.full((24,), -2))
+    assert torch.equal(zero, call(full, shared, num_valid=torch.zeros(24, dtype=torch.int64)))
+    assert (zero[:, 1:] == PLACEHOLDER_TOKEN_ID).all()
+
+
+def test_device_drafts_wider_than_every_layout_and_empty_batches():
+    """K is the tensor's width even when no request was scheduled that many slots; zero requests or zero
+    slots still give [num_reqs, K + 1]."""
+    gen = torch.Generator().manual_seed(12)
+    target = random_probs(5, 7, gen)
+    ids = torch.randint(0, 7, (2, 4), generator=gen)
+    out = rejection_sample(ids, target, None, [False, True], [1, 2], [0, 3], num_drafts=[2, 1])
+    assert torch.equal(out, widen(rejection_sample([ids[0, :2].tolist(), ids[1, :1].tolist()], target, None,
+                                                   [False, True], [1, 2], [0, 3]), 5))
+    out = rejection_sample(ids[:, :0], target[:2], None, [False, True], [1, 2], [0, 3], num_drafts=[0, 0],
+                           num_valid=torch.zeros(2, dtype=torch.int32))
+    assert torch.equal(out, rejection_sample([[], []], target[:2], None, [False, True], [1, 2], [0, 3]))
+    empty = rejection_sample(ids[:0], target[:0], None, [], [], [], num_drafts=[],
+                             num_valid=torch.zeros(0, dtype=torch.int64))
+    assert empty.shape == (0, 5)
+
+
+def test_bad_device_draft_arguments_name_the_field():
+    gen = torch.Generator().manual_seed(13)
+    target = random_probs(5, 7, gen)
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    shared = ([False, False], [1, 2], [0, 0])
+    cases = [
+        (dict(draft_token_ids=ids), "num_drafts .* is required"),
+        (dict(draft_token_ids=ids.float(), num_drafts=[2, 1]), "draft_token_ids .* int32 or int64"),
+        (dict(draft_token_ids=ids[0], num_drafts=[2, 1]), r"draft_token_ids .* \[num_reqs, k_max\]"),
+        (dict(draft_token_ids=ids, num_drafts=[3, 0]), "num_drafts must give one count in 0..2"),
+        (dict(draft_token_ids=ids, num_drafts=[2]), "num_drafts must give one count"),
+        (dict(draft_token_ids=[[0, 0], [0]], num_drafts=[1, 2]), "num_drafts .* differs from the draft lists"),
+        (dict(draft_token_ids=ids, num_drafts=[2, 1], num_valid=torch.zeros(3, dtype=torch.int64)),
+         r"num_valid must be \[num_reqs\] = \[2\]"),
+        (dict(draft_token_ids=ids, num_drafts=[2, 1], num_valid=torch.zeros(2)), "num_valid .* int32 or int64"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            rejection_sample(kwargs.pop("draft_token_ids"), target, None, *shared, **kwargs)
+
+
+_SYNC_OPS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default", "aten.equal.default",
+             "aten.is_nonzero.default"}
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_device_draft_ops_do_not_grow_with_batch_size_and_read_no_device_value(with_q):
+    """The same torch ops for 4 requests as for 64, and none that brings a device value to the host (on CPU the
+    stand-in for "no host sync": on CUDA, test_device_drafts_on_cuda_never_sync checks the real thing)."""
+
+    def count(num_reqs: int) -> list[str]:
+        gen = torch.Generator().manual_seed(num_reqs)
+        tensor_form, _, shared = device_drafts_case(gen, num_reqs, 3, 10, "mixed", with_q)
+        with CountOps() as ops:
+            call(tensor_form, shared)
+        return ops.names
+
+    names = count(4)
+    assert names == count(64) and not _SYNC_OPS & set(names)
+
+
+# --- The kernel path with device drafts (Triton interpreter on CPU, tiny shapes) ------------------
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch) -> list[int]:
+    """The Triton kernel on CPU tensors too (TRITON_INTERPRET=1 without CUDA: tests/conftest.py), with a 16-column
+    block so row scans take several iterations; counts its launches."""
+    import research_lm.ops.rejection_kernel as kernel_mod
+
+    monkeypatch.setattr(research_lm.ops, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernel_mod, "_MAX_BLOCK", 16)
+    calls: list[int] = []
+    real = kernel_mod.fused_rejection_sample
+    monkeypatch.setattr(kernel_mod, "fused_rejection_sample", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def torch_path(form: dict, shared: tuple, **overrides) -> torch.Tensor:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(research_lm.ops, "FUSED_DEVICE_TYPES", ())
+        return call(form, shared, **overrides)
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("seed", range(2))
+def test_kernel_with_device_drafts_gives_the_list_form_of_the_cut_drafts(seed, with_q, kernel_on_cpu):
+    gen = torch.Generator().manual_seed(20 + seed)
+    k_max = 3
+    tensor_form, list_form, shared = device_drafts_case(gen, 7, k_max, 37, "mixed", with_q)
+    if seed == 1:
+        tensor_form.update(draft_token_ids=tensor_form["draft_token_ids"].int(),
+                           num_valid=tensor_form["num_valid"].int())
+    got = call(tensor_form, shared)
+    assert kernel_on_cpu
+    want = widen(torch_path(list_form, shared), k_max + 1)
+    assert torch.equal(got, want) and torch.equal(got, torch_path(tensor_form, shared))
+    uncut = in_vocab(tensor_form, 37)  # num_valid=None: every scheduled slot is a draft
+    assert torch.equal(call(uncut, shared, num_valid=None), torch_path(uncut, shared, num_valid=None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("with_q", [True, False])
+def test_device_drafts_on_cuda_never_sync(fused, with_q, monkeypatch):
+    """The kernel (fused) and the torch path on CUDA, device drafts and counts, under sync debug mode "error":
+    the torch path's list-form tokens for the cut drafts, and no host-device sync in the call."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(research_lm.ops, "FUSED_DEVICE_TYPES", ("cuda",) if fused else ())
+    gen = torch.Generator().manual_seed(30)
+    k_max, vocab = 5, 128256
+    tensor_form, list_form, shared = device_drafts_case(gen, 32, k_max, vocab, "mixed", with_q)
+    cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in tensor_form.items()}
+    want = widen(torch_path({k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in list_form.items()},
+                            shared), k_max + 1)
+    call(cuda, shared)  # compiles the kernel outside the checked call
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = call(cuda, shared)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.cpu(), want.cpu())

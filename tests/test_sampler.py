@@ -13,6 +13,7 @@ from research_lm.sampler import (
     Sampler,
     SamplingBatch,
     SamplingRow,
+    TokenHistory,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -373,6 +374,138 @@ def test_min_tokens_bans_eos_and_stop_ids():
     # Verify rows: the drafts count as outputs.
     rows = SamplingRow.verify(make_req(0, eos=1, **base), [0, 0])
     assert sample(logits.expand(3, vocab), rows)[0].token_ids.tolist() == [5, 5, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties read from the device token table (TokenHistory)
+# ---------------------------------------------------------------------------------------------
+
+
+def history_of(rows: list[SamplingRow], width: int = 24, seed: int = 0, device="cpu") -> TokenHistory:
+    """A table holding each row's request at a scattered table row, as the runner's does: prompt, outputs, then the
+    drafts its rows follow; every other cell is junk (tokens in and out of the vocabulary) that must not be read."""
+    requests = list({id(r.request): r.request for r in rows})
+    where = {key: 2 * (len(requests) - k) - 1 for k, key in enumerate(requests)}  # not the batch order
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(-V, V, (2 * len(requests) + 1, width), generator=g, dtype=torch.int32)
+    for r in rows:  # a request's longest `then` holds all its rows' drafts
+        tokens = r.request.prompt_token_ids + r.outputs
+        table[where[id(r.request)], : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+    return TokenHistory(table.to(device), [where[id(r.request)] for r in rows],
+                        [r.request.num_prompt_tokens for r in rows],
+                        [r.request.num_prompt_tokens + len(r.outputs) for r in rows])
+
+
+def penalty_rows() -> list[SamplingRow]:
+    """Every penalty alone and together, rows using none in between, and verify rows (one table row, growing
+    ends), greedy and random."""
+    reqs = [
+        make_req(0, prompt=[1, 2, 2], outputs=[5, 5, 7], temperature=0.8, presence_penalty=1.5),
+        make_req(1, outputs=[3], temperature=0.0),  # no penalty
+        make_req(2, prompt=[9], outputs=[9, 4, 4, 4], frequency_penalty=0.7, temperature=0.9),
+        make_req(3, prompt=[6, 1], outputs=[], repetition_penalty=1.8, temperature=0.0),
+        make_req(4, prompt=[8, 8], outputs=[2, 8], temperature=1.1, top_k=6, presence_penalty=-0.4,
+                 frequency_penalty=0.5, repetition_penalty=0.7),
+        make_req(5, prompt=[10] * 20, outputs=[], temperature=0.0, repetition_penalty=1.2),  # a long prompt
+    ]
+    verify = make_req(6, prompt=[3, 4], outputs=[4, 11], temperature=0.7, frequency_penalty=0.9,
+                      repetition_penalty=1.4)
+    return [SamplingRow(r) for r in reqs[:3]] + SamplingRow.verify(verify, [11, 4, 12]) + [
+        SamplingRow(r) for r in reqs[3:]]
+
+
+@pytest.mark.parametrize("keep", [None, "presence_penalty", "frequency_penalty", "repetition_penalty"])
+def test_history_table_gives_the_host_lists_penalty_state(keep):
+    """The same tokens in the device table as in the host lists: the same output_counts, seen_mask, processed
+    logits and sampled tokens (keep: only that penalty stays on, the others off)."""
+    rows = penalty_rows()
+    if keep is not None:
+        off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        for r in {id(r.request): r.request for r in rows}.values():
+            sp = vars(r.sampling_params) | {k: v for k, v in off.items() if k != keep}
+            r.sampling_params = SamplingParams(**sp)
+    logits = rand_logits(len(rows), seed=4)
+    host = SamplingBatch.build(rows, V)
+    table = SamplingBatch.build(rows, V, history=history_of(rows))
+    assert host.output_counts is not None or host.seen_mask is not None
+    for name in ("output_counts", "seen_mask"):
+        a, b = getattr(host, name), getattr(table, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    assert torch.equal(process_logits(logits, host), process_logits(logits, table))
+    assert torch.equal(Sampler()(logits, host).token_ids, Sampler()(logits, table).token_ids)
+    if keep is None:  # the rows without a penalty read nothing; the verify rows read their own drafts
+        assert not host.output_counts[1].any() and not host.seen_mask[:3].any()
+        assert host.output_counts[3:7, 4].tolist() == [1.0, 1.0, 2.0, 2.0]
+
+
+def test_history_counts_outputs_still_in_flight():
+    """Under async scheduling the host knows a count, not the values, of the outputs in flight: positions count
+    them (noise, min_tokens) and penalties read their values from the table; the result is what the host path
+    gives once the values are known."""
+    known = make_req(3, prompt=[1, 2], outputs=[5, 9, 9], temperature=0.9, frequency_penalty=0.8,
+                     repetition_penalty=1.3, min_tokens=3, stop_token_ids=[7], eos=6)
+    flying = make_req(3, prompt=[1, 2], outputs=[5], temperature=0.9, frequency_penalty=0.8,
+                      repetition_penalty=1.3, min_tokens=3, stop_token_ids=[7], eos=6)
+    flying.num_output_placeholders = 2
+    assert SamplingRow(flying).position == 3 and SamplingRow(flying, then=[4]).position == 4
+    assert SamplingRow(flying, [8], then=[4, 4]).position == 3  # an explicit list counts itself
+    assert [r.position for r in SamplingRow.verify(flying, [4, 9])] == [3, 4, 5]
+    history = history_of(SamplingRow.verify(known, [9, 4]))  # the table holds what the host does not know
+    assert history.ends == [5, 6, 7]
+    logits = rand_logits(3, seed=8)
+    logits[:, 6:8] += 4.0  # EOS and the stop id: drawn often unless min_tokens bans them
+    want = SamplingBatch.build(SamplingRow.verify(known, [9, 4]), V)
+    got = SamplingBatch.build(SamplingRow.verify(flying, [9, 4]), V, history=history)
+    assert want.positions == got.positions == [3, 4, 5] and got.banned_rows is None
+    assert torch.equal(want.output_counts, got.output_counts) and torch.equal(want.seen_mask, got.seen_mask)
+    assert got.output_counts[:, 9].tolist() == [2.0, 3.0, 3.0]
+    assert torch.equal(Sampler()(logits, want).token_ids, Sampler()(logits, got).token_ids)
+
+
+def test_history_build_is_batched_device_ops_without_a_sync():
+    """With a table, building the penalty state never reads a device value on the host (no item / nonzero) and
+    runs the same ops at 4 and 64 rows: no Python per row over tokens."""
+
+    def ops(n: int) -> list[str]:
+        reqs = [make_req(i, prompt=list(range(1, 2 + i % 5)), outputs=[i % V] * (i % 3), presence_penalty=0.3,
+                         repetition_penalty=1.2 if i % 2 else 1.0) for i in range(n)]
+        history = history_of([SamplingRow(r) for r in reqs], seed=n)
+        with CountOps() as counted:
+            SamplingBatch.build(reqs, V, history=history)
+        return counted.names
+
+    names = ops(4)
+    assert names == ops(64)
+    waits = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique")  # a value or a shape from the device
+    assert not [n for n in names if any(w in n for w in waits)]
+
+
+@pytest.mark.gpu
+def test_history_on_cuda_matches_the_host_lists_without_a_sync():
+    """The table path on CUDA: the host path's state and tokens, and building it never waits for the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rows = penalty_rows()
+    logits = rand_logits(len(rows), seed=4)
+    host = SamplingBatch.build(rows, V)
+    history = history_of(rows, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        table = SamplingBatch.build(rows, V, "cuda", history=history)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(host.output_counts, table.output_counts.cpu())
+    assert torch.equal(host.seen_mask, table.seen_mask.cpu())
+    assert torch.equal(Sampler()(logits, host).token_ids, Sampler()(logits.cuda(), table).token_ids.cpu())
+
+
+def test_history_must_give_every_batch_row():
+    rows = [SamplingRow(make_req(0, presence_penalty=1.0)), SamplingRow(make_req(1))]
+    history = history_of(rows)
+    history.ends = history.ends[:1]
+    with pytest.raises(ValueError, match=r"history\.ends has 1 entries for 2 rows"):
+        SamplingBatch.build(rows, V, history=history)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from research_lm.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from research_lm.outputs import RunnerOutput, SchedulerOutput
-from research_lm.request import PLACEHOLDER, Logprob, Request, RequestStatus
+from research_lm.request import Logprob, Request, RequestStatus
 from research_lm.sampling_params import SamplingParams
 from research_lm.scheduler import Scheduler
 from tests.test_kv_cache import assert_kv_invariants
@@ -78,6 +78,7 @@ class FakeRunner:
         self.window = sliding_window
         self.memory: dict[tuple[int, int], int] = {}
         self.rows: set[str] = set()  # requests the runner holds state for
+        self.drafts: dict[str, list[int]] = {}  # the runner keeps draft values; the scheduler only counts them
         self.num_prefill_chunks_without_output = 0
 
     def _slot(self, block_ids: list[int], pos: int) -> tuple[int, int]:
@@ -87,20 +88,23 @@ class FakeRunner:
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self.rows -= so.finished_req_ids | so.preempted_req_ids
-        sampled, logprobs, drafts = [], [], {}
+        sampled, logprobs, proposed = [], [], {}
         for s in so.scheduled:
             req = s.request
             assert req.status == RequestStatus.RUNNING and s.num_new_tokens >= 1
             if req.request_id not in self.rows:  # (re)admitted: starts from its prefix hits
-                assert req.num_computed_tokens % self.bs == 0 and not s.spec_token_ids
+                assert req.num_computed_tokens % self.bs == 0 and not s.num_spec_tokens
                 self.rows.add(req.request_id)
-            toks = self._run_one(req, s.num_new_tokens, s.block_ids, s.spec_token_ids)
+            spec = self.drafts.pop(req.request_id, [])[: s.num_spec_tokens]
+            assert len(spec) == s.num_spec_tokens
+            toks = self._run_one(req, s.num_new_tokens, s.block_ids, spec)
             sampled.append(toks)
             logprobs.append([{t: Logprob(-1.0, 1)} for t in toks])
             if toks and self.num_spec:
-                drafts[req.request_id] = self._propose(req, toks)
+                self.drafts[req.request_id] = self._propose(req, toks)
+                proposed[req.request_id] = self.num_spec
         return RunnerOutput([s.request.request_id for s in so.scheduled], sampled, logprobs,
-                            [len(s.spec_token_ids) for s in so.scheduled], drafts)
+                            [s.num_spec_tokens for s in so.scheduled], proposed)
 
     def _run_one(self, req: Request, num_new: int, block_ids: list[int], spec: list[int]) -> list[int]:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
@@ -165,8 +169,8 @@ def check_step(sched: Scheduler, so: SchedulerOutput, running_before: list[str])
         req = s.request
         assert s.block_ids == sched.kv_cache.get_block_ids(req.request_id)
         assert len(s.block_ids) * sched.kv_cache.block_size >= req.num_computed_tokens + s.num_new_tokens
-        assert req.num_tokens + len(s.spec_token_ids) <= sched.max_model_len
-        assert s.spec_token_ids == req.spec_token_ids
+        assert req.num_tokens + s.num_spec_tokens <= sched.max_model_len
+        assert s.num_spec_tokens == req.num_spec_tokens
 
 
 def run_to_completion(sched: Scheduler, runner: FakeRunner, arrivals: list[tuple[int, Request]],
@@ -473,7 +477,7 @@ def test_preempted_request_reuses_its_cached_prefix():
 def scripted_step(sched: Scheduler, tokens: dict[str, list[int]], drafts=None):
     so = sched.schedule()
     ids = [s.request.request_id for s in so.scheduled]
-    ro = RunnerOutput(ids, [tokens.get(i, []) for i in ids], draft_token_ids=drafts or {})
+    ro = RunnerOutput(ids, [tokens.get(i, []) for i in ids], num_proposed=drafts or {})
     return so, sched.update_from_output(so, ro)
 
 
@@ -507,9 +511,9 @@ def test_tokens_after_a_stop_in_accepted_drafts_are_dropped():
     sched = make_scheduler(block_size=2)
     req = make_request(0, [1, 2, 3], eos=9, max_tokens=10)
     sched.add_request(req)
-    scripted_step(sched, {"r0": [4]}, {"r0": [5, 9, 6]})
+    scripted_step(sched, {"r0": [4]}, {"r0": 3})
     so, finished = scripted_step(sched, {"r0": [5, 9, 6, 8]})
-    assert so.scheduled[0].spec_token_ids == [5, 9, 6] and so.scheduled[0].num_new_tokens == 4
+    assert so.scheduled[0].num_spec_tokens == 3 and so.scheduled[0].num_new_tokens == 4
     assert finished == [req] and req.output_token_ids == [4, 5, 9] and req.finish_reason == "stop"
     assert req.num_draft_tokens == 3 and req.num_accepted_tokens == 3
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks - 1
@@ -519,9 +523,9 @@ def test_rejected_drafts_roll_back_num_computed_tokens():
     sched = make_scheduler(block_size=2)
     req = make_request(0, [1, 2, 3], max_tokens=20)
     sched.add_request(req)
-    scripted_step(sched, {"r0": [4]}, {"r0": [5, 6, 7]})
-    assert req.num_computed_tokens == 3 and req.spec_token_ids == [5, 6, 7]
-    so, _ = scripted_step(sched, {"r0": [5, 8]}, {"r0": [1, 1]})  # accept 5, reject 6, bonus 8
+    scripted_step(sched, {"r0": [4]}, {"r0": 3})
+    assert req.num_computed_tokens == 3 and req.num_spec_tokens == 3
+    so, _ = scripted_step(sched, {"r0": [5, 8]}, {"r0": 2})  # accept 5, reject 6, bonus 8
     assert so.scheduled[0].num_new_tokens == 4
     assert req.output_token_ids == [4, 5, 8] and req.num_computed_tokens == 5 == req.num_tokens - 1
     assert (req.num_draft_tokens, req.num_accepted_tokens) == (3, 1)
@@ -531,33 +535,33 @@ def test_rejected_drafts_roll_back_num_computed_tokens():
 
 
 def test_verify_steps_scheduled_ahead_assume_every_draft_and_resolve_the_rejected_ones():
-    """Async scheduling of verify steps: `assume_launched` counts all k drafts as accepted (k + 1 placeholder outputs,
-    k placeholder drafts for the next step), the next verify step is scheduled from that guess, and each collected
-    step writes its tokens over its own placeholders and takes back the computed count of its rejected drafts; a
+    """Async scheduling of verify steps: `assume_launched` counts all k drafts as accepted (k + 1 outputs in flight,
+    k drafts for the next step), the next verify step is scheduled from that guess, and each collected step appends
+    its tokens in place of its own outputs in flight and takes back the computed count of its rejected drafts; a
     stop inside a step drops the step in flight behind it."""
     sched = make_scheduler(block_size=2, max_model_len=40)
     req = make_request(0, [1, 2, 3], eos=9, max_tokens=30)
     sched.add_request(req)
-    scripted_step(sched, {"r0": [4]}, {"r0": [5, 6, 7]})  # prefill; drafts [5, 6, 7]
+    scripted_step(sched, {"r0": [4]}, {"r0": 3})  # prefill; three drafts
     n = sched.schedule()  # step N verifies the three drafts
     assert n.scheduled[0].num_new_tokens == 4
     sched.assume_launched(n)
-    assert req.output_token_ids[1:] == [PLACEHOLDER] * 4 and req.spec_token_ids == [PLACEHOLDER] * 3
+    assert req.output_token_ids == [4] and req.num_output_placeholders == 4 and req.num_spec_tokens == 3
     assert req.num_computed_tokens == 7 == req.num_tokens - 1
     assert sched.can_schedule_ahead(n)
     ahead = sched.schedule()  # step N + 1, before N is known: the newest token and 3 drafts, all on the device
-    assert ahead.scheduled[0].num_new_tokens == 4 and ahead.scheduled[0].spec_token_ids == [PLACEHOLDER] * 3
+    assert ahead.scheduled[0].num_new_tokens == 4 and ahead.scheduled[0].num_spec_tokens == 3
     sched.assume_launched(ahead)
     assert req.num_output_placeholders == 8 and req.num_computed_tokens == 11
     # N accepted 5, rejected 6: it emits [5, 8]; its two other placeholders and their computed slots go
     sched.update_from_output(n, RunnerOutput(["r0"], [[5, 8]]))
-    assert req.output_token_ids == [4, 5, 8] + [PLACEHOLDER] * 4 and req.num_computed_tokens == 9
+    assert req.output_token_ids == [4, 5, 8] and req.num_output_placeholders == 4 and req.num_computed_tokens == 9
     assert (req.num_draft_tokens, req.num_accepted_tokens) == (3, 1)
-    assert req.spec_token_ids == [PLACEHOLDER] * 3, "N + 1's drafts, still in flight, are not N's to replace"
+    assert req.num_spec_tokens == 3, "N + 1's drafts, still in flight, are not N's to replace"
     # N + 1 accepted all three and its bonus: no correction; nothing in flight now, so its proposal is taken
-    sched.update_from_output(ahead, RunnerOutput(["r0"], [[1, 2, 3, 4]], draft_token_ids={"r0": [6]}))
+    sched.update_from_output(ahead, RunnerOutput(["r0"], [[1, 2, 3, 4]], num_proposed={"r0": 1}))
     assert req.output_token_ids == [4, 5, 8, 1, 2, 3, 4] and req.num_computed_tokens == 9 == req.num_tokens - 1
-    assert req.spec_token_ids == [6] and (req.num_draft_tokens, req.num_accepted_tokens) == (6, 4)
+    assert req.num_spec_tokens == 1 and (req.num_draft_tokens, req.num_accepted_tokens) == (6, 4)
     # A stop (eos) inside a step drops the step in flight behind it
     n = sched.schedule()
     sched.assume_launched(n)
@@ -565,7 +569,7 @@ def test_verify_steps_scheduled_ahead_assume_every_draft_and_resolve_the_rejecte
     sched.assume_launched(ahead)
     finished = sched.update_from_output(n, RunnerOutput(["r0"], [[9, 1]]))
     assert finished == [req] and req.output_token_ids == [4, 5, 8, 1, 2, 3, 4, 9] and req.finish_reason == "stop"
-    assert not req.num_output_placeholders and not req.spec_token_ids
+    assert not req.num_output_placeholders and not req.num_spec_tokens
     assert sched.update_from_output(ahead, RunnerOutput(["r0"], [[7]])) == [] and req.output_token_ids[-1] == 9
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks - 1
 
@@ -574,7 +578,7 @@ def _verify_step_in_flight(max_model_len: int, max_num_seqs: int = 8) -> tuple[S
     """A request of 8 tokens (3 drafts) whose verify step is launched and assumed."""
     sched = make_scheduler(block_size=2, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     sched.add_request(make_request(0, [1, 2, 3], max_tokens=30))
-    scripted_step(sched, {"r0": [4]}, {"r0": [5, 6, 7]})
+    scripted_step(sched, {"r0": [4]}, {"r0": 3})
     n = sched.schedule()
     sched.assume_launched(n)
     return sched, n
@@ -594,22 +598,22 @@ def test_drafts_are_trimmed_by_budget_and_max_model_len_not_max_tokens():
     sched = make_scheduler(block_size=2, budget=3, max_model_len=12)
     req = make_request(0, [1, 2, 3], max_tokens=20)
     sched.add_request(req)
-    scripted_step(sched, {"r0": [4]}, {"r0": [5, 6, 7, 8]})
-    so, _ = scripted_step(sched, {"r0": [5, 6, 9]}, {"r0": [1] * 8})  # budget 3: 1 + 2 drafts
-    assert so.scheduled[0].spec_token_ids == [5, 6] and so.scheduled[0].num_new_tokens == 3
+    scripted_step(sched, {"r0": [4]}, {"r0": 4})
+    so, _ = scripted_step(sched, {"r0": [5, 6, 9]}, {"r0": 8})  # budget 3: 1 + 2 drafts
+    assert so.scheduled[0].num_spec_tokens == 2 and so.scheduled[0].num_new_tokens == 3
     # 7 tokens, max_model_len 12: at most 5 more tokens, so at most 4 drafts -> budget keeps 2.
     assert req.num_tokens == 7
     sched.max_num_batched_tokens = 10
     so, _ = scripted_step(sched, {"r0": [1, 1, 1, 1, 1]})
-    assert so.scheduled[0].spec_token_ids == [1] * 4 and req.finish_reason == "length"
+    assert so.scheduled[0].num_spec_tokens == 4 and req.finish_reason == "length"
     assert req.num_tokens == 12
     req2 = make_request(1, [1, 2, 3], max_tokens=3)
     sched.add_request(req2)
-    scripted_step(sched, {"r1": [4]}, {"r1": [1] * 8})
+    scripted_step(sched, {"r1": [4]}, {"r1": 8})
     so, _ = scripted_step(sched, {"r1": [1, 1, 1, 1]})
     # 2 outputs left, but drafts stop only at max_model_len (4 tokens of 12: 7 drafts), within the budget of 10;
     # the stop check keeps 2 of the 4 emitted tokens
-    assert so.scheduled[0].spec_token_ids == [1] * 7
+    assert so.scheduled[0].num_spec_tokens == 7
     assert req2.output_token_ids == [4, 1, 1] and req2.finish_reason == "length"
 
 

@@ -64,38 +64,82 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * I] -> [..., 
     return F.silu(gate) * up
 
 
-def graph_step_inputs_ref(
-    staging: torch.Tensor,  # int64 [b*q + 2b + 1 (+ b)]: token values (or -1 - index into source), starts, rows,
-    # n (then, with a shift, each request's index into it or -1)
-    source: torch.Tensor | None,  # int64 [*]: tokens still on the device (placeholders' values)
-    block_table: torch.Tensor,  # int32 [>= b, blocks]
-    input_ids: torch.Tensor,  # int64 [b*q]
-    positions: torch.Tensor,  # int64 [b*q]
-    slot_mapping: torch.Tensor,  # int64 [b*q]
-    seq_lens: torch.Tensor,  # int32 [b]
-    query_start_loc: torch.Tensor,  # int32 [b + 1]
-    request_rows: torch.Tensor,  # int32 [b]
-    *, b: int, q: int, block_size: int,
-    shift: torch.Tensor | None = None,  # int64 [*]: start corrections (a step staged before the last was verified)
+def gather_step_inputs_ref(
+    token_ids: torch.Tensor,  # int32 [R, W]: per request row, prompt + outputs + drafts
+    num_computed: torch.Tensor,  # int32 [R]
+    block_table: torch.Tensor,  # int32 [>= b, blocks], in batch order
+    staging: torch.Tensor,  # int64 [>= 2b + 1]: request rows [b] (-1: padding), query_start_loc [b + 1]
+    input_ids: torch.Tensor,  # int64 [>= t_pad]
+    positions: torch.Tensor,  # int64 [>= t_pad]
+    slot_mapping: torch.Tensor,  # int64 [>= t_pad]
+    seq_lens: torch.Tensor,  # int32 [>= b]
+    query_start_loc: torch.Tensor,  # int32 [>= b + 1]
+    request_rows: torch.Tensor,  # int32 [>= b]
+    *, b: int, t_pad: int, max_query_len: int, block_size: int,
 ) -> None:
-    """The step buffers of n requests of q tokens each, padded to b (research_lm.ops.graph_step_inputs)."""
-    t = b * q
-    n = int(staging[t + 2 * b])
-    values, starts, rows = staging[:t], staging[t : t + b], staging[t + b : t + 2 * b]
-    real_req = torch.arange(b, device=staging.device) < n
-    if shift is not None:
-        at = staging[t + 2 * b + 1 : t + 3 * b + 1]
-        starts = starts + torch.where(real_req & (at >= 0), shift[at.clamp(min=0)], 0)
-    real = real_req.repeat_interleave(q)
-    ids = values.clamp(min=0)
-    if source is not None:
-        ids = torch.where(values >= 0, values, source[(-1 - values).clamp(min=0)])
-    pos = (starts[:, None] + torch.arange(q, device=staging.device)).reshape(-1)
-    req = torch.arange(b, device=staging.device).repeat_interleave(q)
+    """One step's inputs from the tables (research_lm.ops.step_inputs); no host sync. Token t of request i
+    (qsl[i] <= t < qsl[i+1]) sits at pos = num_computed[row_i] + t - qsl[i]; tokens from T = qsl[b] on are padding.
+    max_query_len only sizes the kernel's grid."""
+    dev = staging.device
+    rows, qsl = staging[:b], staging[b : 2 * b + 1]
+    real = rows >= 0
+    computed = torch.where(real, num_computed[rows.clamp(min=0)].to(torch.int64), 0)
+    t = torch.arange(t_pad, device=dev)
+    token_real = t < qsl[b]
+    req = torch.searchsorted(qsl[1:], t, right=True).clamp(max=b - 1)  # qsl[req] <= t < qsl[req + 1]
+    pos = torch.where(token_real, computed[req] + t - qsl[req], 0)
+    ids = token_ids[rows[req].clamp(min=0), pos].to(torch.int64)
     blocks = block_table[req, (pos // block_size).clamp(max=block_table.shape[1] - 1)].to(torch.int64)
-    input_ids.copy_(torch.where(real, ids, 0))
-    positions.copy_(torch.where(real, pos, 0))
-    slot_mapping.copy_(torch.where(real, blocks * block_size + pos % block_size, -1))
-    seq_lens.copy_(torch.where(real_req, starts + q, 0))
-    query_start_loc.copy_(torch.arange(b + 1, device=staging.device).clamp(max=n) * q)
-    request_rows.copy_(torch.where(real_req, rows, -1))
+    input_ids[:t_pad] = torch.where(token_real, ids, 0)
+    positions[:t_pad] = pos
+    slot_mapping[:t_pad] = torch.where(token_real, blocks * block_size + pos % block_size, -1)
+    seq_lens[:b] = torch.where(real, computed + qsl[1:] - qsl[:-1], 0)
+    query_start_loc[: b + 1] = qsl
+    request_rows[:b] = torch.where(real, rows, -1)
+
+
+def _row_columns(
+    token_ids: torch.Tensor,  # int32 [R, W]
+    num_tokens: torch.Tensor,  # int32 [R]
+    rows: torch.Tensor,  # int [n]
+    counts: torch.Tensor,  # int [n]: tokens to write per request
+    m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # row, column, mask: [n, m] each
+    """Where request i's j-th new token goes: (row, num_tokens[row] + j), kept where j < counts[i], the row is real
+    and the column is inside W."""
+    r = rows.to(torch.int64).clamp(min=0)
+    j = torch.arange(m, device=rows.device)
+    cols = num_tokens[r].to(torch.int64)[:, None] + j
+    keep = (rows >= 0)[:, None] & (j < counts[:, None]) & (cols < token_ids.shape[1])
+    return r[:, None].expand(-1, m), cols, keep
+
+
+def advance_rows_ref(
+    token_ids: torch.Tensor,  # int32 [R, W]
+    num_tokens: torch.Tensor,  # int32 [R]
+    num_computed: torch.Tensor,  # int32 [R]
+    rows: torch.Tensor,  # int [n]: < 0 skipped; no row twice
+    delta: torch.Tensor,  # int [n]: num_new_tokens - scheduled drafts
+    emitted: torch.Tensor,  # int64 [n, m]
+    num_emitted: torch.Tensor,  # int [n], 0..m
+) -> None:
+    """Append each request's e = num_emitted[i] tokens to its row (never past W); num_tokens += e;
+    num_computed += delta + max(e - 1, 0): every emitted token but the last (the freshly sampled one) has its KV."""
+    r, cols, keep = _row_columns(token_ids, num_tokens, rows, num_emitted, emitted.shape[1])
+    token_ids[r[keep], cols[keep]] = emitted[keep].to(torch.int32)
+    real = rows >= 0
+    rr, e = rows[real].to(torch.int64), num_emitted[real].to(torch.int64)
+    num_tokens[rr] = (num_tokens[rr] + e).to(torch.int32)
+    num_computed[rr] = (num_computed[rr] + delta[real] + (e - 1).clamp(min=0)).to(torch.int32)
+
+
+def write_drafts_ref(
+    token_ids: torch.Tensor,  # int32 [R, W]
+    num_tokens: torch.Tensor,  # int32 [R]
+    rows: torch.Tensor,  # int [n]: < 0 skipped
+    drafts: torch.Tensor,  # int64 [n, k]
+) -> None:
+    """token_ids[row, num_tokens[row] + j] = drafts[i, j] for j < k, never past W; counts unchanged."""
+    n, k = drafts.shape
+    r, cols, keep = _row_columns(token_ids, num_tokens, rows, torch.full((n,), k, device=rows.device), k)
+    token_ids[r[keep], cols[keep]] = drafts[keep].to(torch.int32)

@@ -13,9 +13,11 @@ The rule and the numbers are the torch path's (research_lm/rejection_sampler.py,
   residual is all zero; a greedy request takes the argmax of its row instead.
 "all zero" is tested as "no positive entry", which is the reference's "sum > 0" for non-negative entries.
 
-Host-packed input, one int64 row of width 3K + 5 per request (K = k_max): drafts [K], acceptance uniforms [K]
-(float32 bits), noise keys of the final token per n_acc [K + 1], then k_i, its first draft row, its first target
-row and its greedy flag.
+Inputs: the drafts, [n, K] int32 or int64 (K = k_max; a request's slots past its count are never read), and one
+host-packed int64 row of width 3K + 6 per request: acceptance uniforms [K] (float32 bits), the noise keys of a
+recovery per n_acc [K + 1] (RECOVER stream), those of the bonus per n_acc [K + 1] (SAMPLE stream), then k_i, its first
+draft row, its first target row and its greedy flag. With `num_valid` (on the device) only the first
+min(num_valid[i], k_i) slots are drafts: the bonus falls at n_acc = that count, so the kernel picks the key there.
 """
 
 from __future__ import annotations
@@ -82,32 +84,42 @@ def _any_positive(p_row, q_row, x_rej, V, HAS_Q: tl.constexpr, BLOCK: tl.constex
     return tl.max(seen, 0) > 0
 
 
-@triton.jit(do_not_specialize=["K"])
+@triton.jit(do_not_specialize=["K", "ids_stride", "host_stride"],
+            do_not_specialize_on_alignment=["ids_ptr", "host_ptr", "valid_ptr"])
 def _rejection_kernel(
     target_ptr,  # [rows, V] float32 p
-    draft_ptr,  # [drafts, V] float32 q (unused without HAS_Q)
-    host_ptr,  # [n, 3K + 5] int64, the module docstring's layout
+    q_ptr,  # [drafts, V] float32 q (unused without HAS_Q)
+    ids_ptr,  # [n, K] int32 or int64 draft tokens
+    host_ptr,  # [n, 3K + 6] int64 (row stride host_stride), the module docstring's layout
+    valid_ptr,  # [n] int32 or int64 real drafts per request (unused without HAS_VALID)
     out_ptr,  # [n, K + 1] int64
     target_stride,
-    draft_stride,
+    q_stride,
+    ids_stride,
+    host_stride,
     V,
     K,
     HAS_Q: tl.constexpr,
+    HAS_VALID: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
-    row = host_ptr + i * (3 * K + 5)
-    k_i = tl.load(row + 3 * K + 1)
-    cu_draft = tl.load(row + 3 * K + 2)
-    cu_target = tl.load(row + 3 * K + 3)
-    greedy = tl.load(row + 3 * K + 4) != 0
+    row = host_ptr + i * host_stride
+    ids = ids_ptr + i * ids_stride
+    k_i = tl.load(row + 3 * K + 2)
+    cu_draft = tl.load(row + 3 * K + 3)
+    cu_target = tl.load(row + 3 * K + 4)
+    greedy = tl.load(row + 3 * K + 5) != 0
+    n_real = k_i
+    if HAS_VALID:  # clamped to the layout: a larger count would read the next request's rows
+        n_real = tl.minimum(tl.maximum(tl.load(valid_ptr + i).to(tl.int64), 0), k_i)
     n_acc = k_i * 0
-    alive = k_i > 0
+    alive = n_real > 0
     for j in range(0, K):
-        live = alive & (j < k_i)
+        live = alive & (j < n_real)
         ok = live & False
-        if live:  # rows past k_i belong to the next request (or to nobody)
-            x = tl.load(row + j)
+        if live:  # slots past n_real hold no draft; rows past k_i belong to the next request (or to nobody)
+            x = tl.load(ids + j).to(tl.int64)
             p_row = target_ptr + (cu_target + j) * target_stride
             if greedy:
                 ok = _row_argmax(p_row, p_row, -1, 0, V, False, False, False, BLOCK) == x
@@ -115,8 +127,8 @@ def _rejection_kernel(
                 p = tl.load(p_row + x)
                 q = 1.0
                 if HAS_Q:
-                    q = tl.load(draft_ptr + (cu_draft + j) * draft_stride + x)
-                u = tl.load(row + K + j).to(tl.int32).to(tl.float32, bitcast=True)
+                    q = tl.load(q_ptr + (cu_draft + j) * q_stride + x)
+                u = tl.load(row + j).to(tl.int32).to(tl.float32, bitcast=True)
                 ok = u * q < p
         alive = live & ok
         n_acc += alive.to(tl.int64)
@@ -124,10 +136,12 @@ def _rejection_kernel(
     if greedy:
         final = _row_argmax(p_row, p_row, -1, 0, V, False, False, False, BLOCK)
     else:
-        key = tl.load(row + 2 * K + n_acc).to(tl.uint64, bitcast=True)
-        q_row = draft_ptr + (cu_draft + n_acc) * draft_stride
-        x_rej = tl.load(row + n_acc, mask=n_acc < K, other=-1)
-        use_residual = n_acc < k_i
+        key_recover = tl.load(row + K + n_acc)
+        key_bonus = tl.load(row + 2 * K + 1 + n_acc)
+        key = tl.where(n_acc == n_real, key_bonus, key_recover).to(tl.uint64, bitcast=True)
+        q_row = q_ptr + (cu_draft + n_acc) * q_stride
+        use_residual = n_acc < n_real
+        x_rej = tl.load(ids + n_acc, mask=use_residual, other=-1).to(tl.int64)
         if use_residual:
             use_residual = _any_positive(p_row, q_row, x_rej, V, HAS_Q, BLOCK)
         if use_residual:
@@ -135,29 +149,34 @@ def _rejection_kernel(
         else:
             final = _row_argmax(p_row, q_row, x_rej, key, V, False, HAS_Q, True, BLOCK)
     for j in range(0, K + 1):
-        x = tl.load(row + j, mask=j < K, other=-1)
+        x = tl.load(ids + j, mask=j < n_acc, other=-1).to(tl.int64)
         tok = tl.where(j < n_acc, x, tl.where(j == n_acc, final, -1))
         tl.store(out_ptr + i * (K + 1) + j, tok)
 
 
-def pack_host(drafts: np.ndarray, u: np.ndarray, final_keys: np.ndarray, num_drafts: np.ndarray,
-              cu_draft: np.ndarray, cu_target: np.ndarray, greedy: np.ndarray) -> np.ndarray:  # [n, 3K + 5] int64
+def pack_host(u: np.ndarray, recover_keys: np.ndarray, sample_keys: np.ndarray, num_drafts: np.ndarray,
+              cu_draft: np.ndarray, cu_target: np.ndarray, greedy: np.ndarray) -> np.ndarray:  # [n, 3K + 6] int64
     """The kernel's per-request row (module docstring), from the reference's host arrays."""
     n = len(num_drafts)
     u_bits = np.ascontiguousarray(u, dtype=np.float32).view(np.int32).astype(np.int64)
-    cols = [drafts, u_bits, final_keys.view(np.int64)] + [a.reshape(n, 1).astype(np.int64) for a in (
-        num_drafts, cu_draft, cu_target, greedy)]
+    cols = [u_bits, recover_keys.view(np.int64), sample_keys.view(np.int64)] + [
+        a.reshape(n, 1).astype(np.int64) for a in (num_drafts, cu_draft, cu_target, greedy)]
     return np.concatenate([c.reshape(n, -1) for c in cols], axis=1)
 
 
 def fused_rejection_sample(
     target_probs: torch.Tensor,  # [rows, V] float32
     draft_probs: torch.Tensor | None,  # [drafts, V] float32, or None: one-hot q
-    host: torch.Tensor,  # [n, 3K + 5] int64 on the device, `pack_host`'s rows
+    draft_ids: torch.Tensor,  # [n, k_max] int32 or int64 on the device, unit column stride
+    host: torch.Tensor,  # [n, 3 k_max + 6] int64 on the device, `pack_host`'s rows, unit column stride
+    num_valid: torch.Tensor | None,  # [n] int32 or int64 contiguous on the device, or None: every slot to k_i
     k_max: int,
 ) -> torch.Tensor:  # [n, k_max + 1] int64, -1 in slots not emitted
     n, V = host.shape[0], target_probs.shape[-1]
-    assert host.shape[1] == 3 * k_max + 5 and host.dtype == torch.int64, host.shape
+    assert host.shape == (n, 3 * k_max + 6) and host.dtype == torch.int64 and host.stride(1) == 1, host.shape
+    assert draft_ids.shape == (n, k_max) and draft_ids.dtype in (torch.int32, torch.int64), draft_ids.shape
+    assert k_max == 0 or draft_ids.stride(1) == 1, draft_ids.stride()
+    assert num_valid is None or (num_valid.shape == (n,) and num_valid.is_contiguous()), num_valid
     assert target_probs.dtype == torch.float32 and target_probs.stride(-1) == 1, target_probs.dtype
     assert draft_probs is None or (draft_probs.dtype == torch.float32 and draft_probs.stride(-1) == 1)
     out = torch.empty(n, k_max + 1, dtype=torch.int64, device=target_probs.device)
@@ -166,7 +185,8 @@ def fused_rejection_sample(
     block = min(_MAX_BLOCK, next_power_of_2(V))  # tests shrink _MAX_BLOCK
     q = draft_probs if draft_probs is not None else target_probs
     _rejection_kernel[(n,)](
-        target_probs, q, host, out, target_probs.stride(0), q.stride(0), V, k_max,
-        HAS_Q=draft_probs is not None, BLOCK=block, num_warps=num_warps_for(block),
+        target_probs, q, draft_ids, host, num_valid if num_valid is not None else host, out,
+        target_probs.stride(0), q.stride(0), draft_ids.stride(0), host.stride(0), V, k_max,
+        HAS_Q=draft_probs is not None, HAS_VALID=num_valid is not None, BLOCK=block, num_warps=num_warps_for(block),
     )
     return out

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from research_lm import LLM, SamplingParams
-from research_lm.request import PLACEHOLDER
 
 KNOBS = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
              max_model_len=64, enable_prefix_caching=True)
@@ -118,18 +117,19 @@ def test_penalties_count_the_token_in_flight(tiny_checkpoint, penalty):
 
 def test_the_next_step_is_launched_before_the_last_is_collected(tiny_checkpoint):
     """Order of runner calls: after the first launch, every launch comes before the previous step's collect,
-    and the launched step reads the in-flight token (a PLACEHOLDER) from the device."""
+    and the launched step reads the in-flight token from the device (the host only counts it)."""
     llm = LLM(str(tiny_checkpoint("llama")), async_scheduling=True, **KNOBS)
     runner, events, holes = llm.engine.runner, [], []
-    launch, collect, prepare = runner.launch, runner.collect, runner._prepare_inputs
+    launch, collect = runner.launch, runner.collect
 
-    def spy_prepare(scheduled):
-        holes.append(sum(PLACEHOLDER in s.request.output_token_ids for s in scheduled))
-        return prepare(scheduled)
+    def spy_launch(sched):
+        if sched.scheduled:
+            events.append("launch")
+            holes.append(sum(s.request.num_output_placeholders > 0 for s in sched.scheduled))
+        return launch(sched)
 
-    runner.launch = lambda sched: (sched.scheduled and events.append("launch")) or launch(sched)
+    runner.launch = spy_launch
     runner.collect = lambda pending: events.append("collect") or collect(pending)
-    runner._prepare_inputs = spy_prepare
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)
     assert events[:3] == ["launch", "launch", "collect"]
@@ -149,7 +149,7 @@ def test_abort_while_in_flight(tiny_checkpoint):
         finished += engine.step()
     assert [o.request_id for o in finished] == [keep.request_id]
     assert keep.finish_reason == "length" and len(keep.output_token_ids) == 8
-    assert drop.finish_reason == "abort" and PLACEHOLDER not in drop.output_token_ids
+    assert drop.finish_reason == "abort" and drop.num_output_placeholders == 0 and len(drop.output_token_ids) <= 8
     assert engine.kv_cache.num_free_blocks == engine.num_blocks - 1
 
 

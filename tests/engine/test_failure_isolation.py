@@ -67,16 +67,18 @@ def _inject(monkeypatch, llm: LLM, where: str, fails=_is_bad) -> None:
 
         monkeypatch.setattr(scheduler, "schedule", failing_schedule)
     elif where == "inputs":
-        prepare = runner._prepare_inputs
-        monkeypatch.setattr(runner, "_prepare_inputs",
-                            lambda scheduled: check([s.request for s in scheduled]) or prepare(scheduled))
+        import research_lm.runner as runner_module
+
+        prepare = runner_module.prepare_step_inputs
+        monkeypatch.setattr(runner_module, "prepare_step_inputs", lambda buf, state, scheduled, *a: check(
+            [s.request for s in scheduled]) or prepare(buf, state, scheduled, *a))
     elif where == "sampling":
         build = SamplingBatch.build.__func__
         monkeypatch.setattr(SamplingBatch, "build", classmethod(
             lambda cls, rows, *a, **k: check([r.request for r in rows if isinstance(r, SamplingRow)])
             or build(cls, rows, *a, **k)))
-    else:  # both ways a proposer drafts: after the verification, or (EAGLE graphs) behind the verify forward
-        for name in ("propose", "propose_before_verification"):
+    else:  # both ways a proposer drafts: at collect, or on the device at launch
+        for name in ("propose", "propose_on_device"):
             if (draft := getattr(runner.proposer, name, None)) is not None:
                 monkeypatch.setattr(runner.proposer, name,
                                     lambda outcome, draft=draft: check(outcome.requests) or draft(outcome))
@@ -91,7 +93,7 @@ def _assert_clean(llm: LLM) -> None:
     assert engine.kv_cache.num_free_blocks == engine.num_blocks - 1, "every block back in the pool"
     assert not engine.scheduler.requests and not engine.scheduler.suspects and engine._in_flight is None
     # the runner holds rows only of requests whose end the next step tells it: none leaks
-    assert set(engine.runner.rows.row_of) <= engine.scheduler._finished_since_schedule
+    assert set(engine.runner.state.rows.row_of) <= engine.scheduler._finished_since_schedule
 
 
 def _bad_request_fails_alone(monkeypatch, llm: LLM, where: str, prompts, params) -> None:
@@ -223,10 +225,10 @@ def test_runner_reset_forgets_every_request(tiny_checkpoint):
     for _ in range(3):
         engine.step()
     runner: ModelRunner = engine.runner
-    assert runner.rows.row_of and engine._in_flight is not None and runner._last_sampled is not None
+    assert runner.state.rows.row_of and engine._in_flight is not None and runner._latest is not None
     runner.reset()
-    assert not runner.rows.row_of and len(runner.rows.free) == engine.config.max_num_seqs
-    assert runner._last_sampled is None and runner._latest is None
+    assert not runner.state.rows.row_of and len(runner.state.rows.free) == engine.config.max_num_seqs
+    assert runner._latest is None
 
 
 # ---- the scheduler alone: random workloads, random failures ---------------------------------------------------
@@ -268,6 +270,7 @@ def run_with_failures(w: dict, p_fail: float, bad: str | None, max_steps: int = 
             assert all(r.finish_reason in ("stop", "length") for r in finished)
         except RuntimeError as e:
             runner.rows.clear()
+            runner.drafts.clear()
             finished = sched.recover(str(e))
             assert [r.request_id for r in finished] == ([so.scheduled[0].request.request_id] if isolating else [])
             assert all(r.finish_reason == "error" and r.error == str(e) for r in finished)

@@ -53,8 +53,8 @@ def test_greedy_verification_skips_the_rejection_sampler_and_agrees_with_it(tiny
     want = [o.outputs[0].token_ids for o in LLM(path, **knobs).generate(prompts, greedy, use_tqdm=False)]
 
     calls = []
-    real = verification_module.load_rejection_sampler
-    monkeypatch.setattr(verification_module, "load_rejection_sampler", lambda: calls.append(1) or real())
+    real = verification_module.rejection_sample
+    monkeypatch.setattr(verification_module, "rejection_sample", lambda *a, **k: calls.append(1) or real(*a, **k))
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0 and not calls  # verified, never rejection-sampled

@@ -60,17 +60,22 @@ def _cases(tiny_checkpoint, tmp_path: Path, world: int) -> dict[str, dict]:
 
 
 def _llm(case: dict, **knobs) -> LLM:
-    """The case's LLM; with "graphs", its target and drafter steps captured (and its deferred verify steps
-    counted: with async scheduling an EAGLE verify step under graphs leaves its verification to `collect`)."""
+    """The case's LLM; with "graphs", its target and drafter steps captured (and its steps that drafted at launch
+    counted: an EAGLE verify step under graphs drafts on the device, behind its verification)."""
     case = dict(case)
     graphs = case.pop("graphs", False)
     llm = LLM(**KNOBS, **knobs, **case)
     if graphs:
         runner = llm.engine.runner
         assert runner.capture_cuda_graphs([1, 2, 4], prefill_sizes=[], capture=eager_capture) is None
-        defer = runner._defer_verification
-        llm.deferred = []
-        runner._defer_verification = lambda *a: (lambda step: llm.deferred.append(step is not None) or step)(defer(*a))
+        launch, llm.deferred = runner.launch, []
+
+        def counting(sched):
+            step = launch(sched)
+            llm.deferred.append(step.drafted is not None)
+            return step
+
+        runner.launch = counting
     return llm
 
 
@@ -81,7 +86,7 @@ def _prompts() -> list[list[int]]:
 
 def _generate(llm: LLM) -> dict[str, list]:
     """Per request: tokens, their logprobs, the top-2 lead of each token, and the drafts accepted. A graphs case asks
-    for no logprobs (they keep its verify steps from deferring); its target is "llama", whose leads are checked."""
+    for no logprobs (they keep the next step from launching ahead); its target is "llama", whose leads are checked."""
     graphs = hasattr(llm, "deferred")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=None if graphs else 2)
     outs = llm.generate(_prompts(), params, use_tqdm=False)

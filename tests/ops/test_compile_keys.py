@@ -11,22 +11,23 @@ import pytest
 kv_write = import_module("attention_zoo.triton_kernels.kv_write")
 unified_attention = import_module("attention_zoo.triton_kernels.unified_attention")
 exponential_race = import_module("research_lm.ops.exponential_race")
-graph_step_inputs = import_module("research_lm.ops.graph_step_inputs")
 rotary = import_module("research_lm.ops.rotary")
 eagle3_kernels = import_module("spec_decode.eagle3_kernels")
 rejection_kernel = import_module("research_lm.ops.rejection_kernel")
+step_inputs = import_module("research_lm.ops.step_inputs")
 
 UNSPECIALIZED = [  # (kernel, ints that change per step, pointers that may start at any offset)
     (kv_write._reshape_and_cache_kernel, ["num_tokens"], ["slot_mapping_ptr"]),
     (unified_attention._unified_attention_kernel, ["num_reqs"], []),
     (unified_attention._reduce_splits_kernel, ["num_reqs"], []),
-    (graph_step_inputs._graph_step_inputs_kernel, ["b", "q"], ["source_ptr", "shift_ptr"]),
+    (step_inputs._gather_step_inputs_kernel, ["b", "t_pad"], ["staging_ptr"]),
+    (step_inputs._write_row_tokens_kernel, ["m"], ["rows_ptr", "delta_ptr", "src_ptr", "count_ptr"]),
     (rotary._rotary_kernel, [], ["positions_ptr"]),
     (eagle3_kernels._eagle3_input_kernel, [], ["ids_ptr"]),
     (eagle3_kernels._argmax_gather_kernel, [], ["out_ptr"]),
     (exponential_race._race_kernel, ["chunk", "splits"], ["keys_ptr"]),
     (exponential_race._reduce_splits_kernel, ["splits"], []),
-    (rejection_kernel._rejection_kernel, ["K"], []),
+    (rejection_kernel._rejection_kernel, ["K", "ids_stride", "host_stride"], ["ids_ptr", "host_ptr", "valid_ptr"]),
 ]
 
 

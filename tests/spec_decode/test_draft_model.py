@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from research_lm import LLM, SamplingParams
+from tests.spec_decode.spying import record_drafts
 
 V = 256
 KNOBS = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=5,
@@ -140,17 +141,7 @@ def test_perturbed_draft_stays_in_sync(baseline, tmp_path):
     draft = _variant(path, tmp_path / "perturbed", lambda k, v: v + 0.006 * torch.randn(v.shape, generator=gen))
     llm = LLM(str(path), **KNOBS,
               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
-    proposer, records = llm.engine.runner.proposer, []
-    propose = proposer.propose
-
-    def spy(outcome):
-        proposal = propose(outcome)
-        for req, e in zip(outcome.requests, outcome.emitted):
-            if proposal.token_ids[req.request_id] and req.sampling_params.greedy:
-                records.append((req.all_token_ids + list(e), proposal.token_ids[req.request_id]))
-        return proposal
-
-    proposer.propose = spy
+    records, _ = record_drafts(llm.engine.runner.proposer)
     outs = llm.generate(prompts, _mixed(len(prompts)), use_tqdm=False)
     greedy = [i for i in range(len(prompts)) if i != 2]
     assert [outs[i].outputs[0].token_ids for i in greedy] == [want[i] for i in greedy]

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from research_lm import LLM, SamplingParams
+from tests.spec_decode.spying import draft_values, record_drafts
 from tests.spec_decode.test_spec_formats import (
     HEAD_DIM,
     HEADS,
@@ -153,21 +154,21 @@ def _params(n: int) -> list[SamplingParams]:
 
 
 def _spy(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    proposer, records = llm.engine.runner.proposer, []
+    """(context, drafts) of every greedy request's drafts; q kept exactly for the drafts of a step where some drafting
+    request samples."""
+    proposer = llm.engine.runner.proposer
     propose = proposer.propose
 
-    def spy(outcome):
-        proposal = propose(outcome)
-        for req, e in zip(outcome.requests, outcome.emitted):
-            drafts = proposal.token_ids[req.request_id]
-            if drafts and req.sampling_params.greedy:
-                records.append((req.all_token_ids + list(e), list(drafts)))
-            assert (req.request_id in proposal.probs) == (bool(drafts) and any(
-                not r.sampling_params.greedy for r in outcome.requests if proposal.token_ids[r.request_id]))
-        return proposal
+    def checked(outcome):
+        drafts = propose(outcome)
+        values = draft_values(outcome, drafts)
+        sampling = any(not r.sampling_params.greedy for r in outcome.requests if values[r.request_id])
+        for req in outcome.requests:
+            assert (req.request_id in drafts.probs) == (bool(values[req.request_id]) and sampling)
+        return drafts
 
-    proposer.propose = spy
-    return records
+    proposer.propose = checked
+    return record_drafts(proposer)[0]
 
 
 @pytest.fixture(scope="module")

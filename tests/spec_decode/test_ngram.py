@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from research_lm.request import Request
 from research_lm.sampling_params import SamplingParams
-from research_lm.spec import StepOutcome
+from research_lm.spec import StepOutcome, TokenTable
 from spec_decode.ngram import NgramProposer, build_proposer
 
 
@@ -111,19 +111,25 @@ def test_long_sequence_matches_reference():
     assert out == naive_proposal(tokens.tolist(), 1, 5, 4)
 
 
-def test_step_proposer_drafts_from_context_plus_pending_tokens():
-    """The runner's protocol: drafts continue prompt + outputs + this step's (pending) tokens."""
+def test_step_proposer_drafts_from_the_device_table():
+    """The runner's protocol: at launch, drafts continue each row's tokens in the device table (this step's emitted
+    ones appended); a request that emitted nothing (mid-prefill) drafts nothing."""
     proposer = build_proposer({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, None)
     assert (proposer.ngram.prompt_lookup_min, proposer.ngram.prompt_lookup_max) == (2, 2)
     assert proposer.num_speculative_tokens == 2 and proposer.aux_hidden_state_layers == ()
     a = Request("a", [1, 2, 3, 4, 1], SamplingParams(), seed=0)
     b = Request("b", [5, 6, 7, 5, 6, 7], SamplingParams(), seed=0)  # mid-prefill: emits nothing
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    table[3, :6] = torch.tensor([1, 2, 3, 4, 1, 2])  # a's prompt and the token it emitted
+    table[1, :6] = torch.tensor(b.prompt_token_ids)
+    rows = torch.tensor([3, 1], dtype=torch.int32)
     outcome = StepOutcome(
-        requests=[a, b], emitted=[[2], []], input_ids=torch.zeros(0, dtype=torch.int64),
-        positions=torch.zeros(0, dtype=torch.int64), query_start_loc_cpu=torch.zeros(3, dtype=torch.int32),
-        hidden_states=None, aux_hidden_states=None, num_rejected=[0, 0], common=None,
-    )
-    assert proposer.propose(outcome).token_ids == {"a": [3, 4], "b": []}
+        requests=[a, b], input_ids=torch.zeros(0, dtype=torch.int64), positions=torch.zeros(0, dtype=torch.int64),
+        query_start_loc_cpu=torch.zeros(3, dtype=torch.int32), hidden_states=None, aux_hidden_states=None, common=None,
+        tokens=TokenTable(table, torch.tensor([0, 6, 0, 6], dtype=torch.int32), rows),
+        emitted_ids=torch.tensor([[2], [-1]]), num_emitted=torch.tensor([1, 0], dtype=torch.int32))
+    drafts = proposer.propose_on_device(outcome)
+    assert drafts.index == [0, 1] and drafts.num.tolist() == [2, 0] and drafts.token_ids[0].tolist() == [3, 4]
     proposer.on_requests_removed({"a"})
     default = build_proposer({"method": "ngram", "num_speculative_tokens": 3}, None).ngram
     assert (default.prompt_lookup_min, default.prompt_lookup_max) == (5, 5)

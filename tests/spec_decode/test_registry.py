@@ -14,8 +14,8 @@ from research_lm import LLM, SamplingParams
 from research_lm.spec import (
     _METHOD_KEYS,
     PROPOSERS,
+    Drafts,
     DraftTarget,
-    Proposal,
     Proposer,
     StepOutcome,
     build_proposer,
@@ -52,9 +52,10 @@ class _RepeatLast(Proposer):
     def __init__(self, k: int) -> None:
         self.num_speculative_tokens = k
 
-    def propose(self, outcome: StepOutcome) -> Proposal:
-        return Proposal({r.request_id: [e[-1]] * self.num_speculative_tokens if e else []
-                         for r, e in zip(outcome.requests, outcome.emitted, strict=True)})
+    def propose(self, outcome: StepOutcome) -> Drafts:
+        index = [i for i, e in enumerate(outcome.emitted) if e]
+        k = self.num_speculative_tokens
+        return Drafts.from_lists(index, [[outcome.emitted[i][-1]] * k for i in index], k, outcome.input_ids.device)
 
 
 @pytest.fixture

@@ -103,7 +103,17 @@ def _outcome(requests: list[Request], emitted: list[list[int]]) -> StepOutcome:
     empty = torch.zeros(0, dtype=torch.int64)
     return StepOutcome(requests=requests, emitted=emitted, input_ids=empty, positions=empty,
                        query_start_loc_cpu=torch.zeros(len(requests) + 1, dtype=torch.int32), hidden_states=None,
-                       aux_hidden_states=None, num_rejected=[0] * len(requests), common=None)
+                       aux_hidden_states=None, num_rejected=[0] * len(requests), common=None, tokens=None,
+                       emitted_ids=None, num_emitted=None)
+
+
+def _propose(proposer, requests: list[Request], emitted: list[list[int]]) -> dict[str, list[int]]:
+    """The proposer's drafts per request id ([] for a request it did not draft for)."""
+    drafts = proposer.propose(_outcome(requests, emitted))
+    out = {r.request_id: [] for r in requests}
+    for i, row, n in zip(drafts.index, drafts.token_ids.tolist(), drafts.num, strict=True):
+        out[requests[i].request_id] = row[:n]
+    return out
 
 
 def _proposer(k: int, depth: int = 24, cached: int = 10000, factor: float = 1.0, min_prob: float = 0.1):
@@ -151,7 +161,7 @@ def test_drafts_equal_the_brute_force_reference(prompt, steps, cached, depth, k,
         if i < len(cached):
             proposer.finished.add(f"done{i}", cached[i])
             outputs.append(cached[i])
-        drafts = proposer.propose(_outcome([req], [emitted])).token_ids["r"]
+        drafts = _propose(proposer, [req], [emitted])["r"]
         req.output_token_ids += emitted
         want = reference_drafts(req.all_token_ids, [o for o in outputs if o], depth, k, factor, min_prob)
         assert drafts == want
@@ -163,7 +173,7 @@ def test_spec_factor_scales_drafts_with_the_match_length():
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
     for k, factor, want in [(6, 1.0, [4, 5, 6]), (6, 0.5, [4]), (6, 4.0, [4, 5, 6, 7, 8, 9]), (2, 4.0, [4, 5]),
                             (6, 0.3, [])]:
-        assert _proposer(k, factor=factor).propose(_outcome([_request("a", prompt)], [[3]])).token_ids["a"] == want
+        assert _propose(_proposer(k, factor=factor), [_request("a", prompt)], [[3]])["a"] == want
 
 
 def test_min_token_prob_stops_the_path_where_continuations_split():
@@ -172,7 +182,7 @@ def test_min_token_prob_stops_the_path_where_continuations_split():
     prompt = [7, 8, 9, 1, 7, 8, 9, 2, 7, 8, 9, 3, 7, 8, 5, 4, 7]
     for min_prob, want in [(0.1, [9, 1, 7, 8]), (0.19, [9, 1, 7, 8]), (0.21, [9]), (0.7, [])]:
         proposer = _proposer(4, factor=2.0, min_prob=min_prob)
-        assert proposer.propose(_outcome([_request("a", prompt)], [[8]])).token_ids["a"] == want
+        assert _propose(proposer, [_request("a", prompt)], [[8]])["a"] == want
         assert reference_drafts(prompt + [8], [], 24, 4, 2.0, min_prob) == want
 
 
@@ -180,9 +190,9 @@ def test_the_global_tree_keeps_the_last_finished_outputs_first_in_first_out():
     proposer = _proposer(4, cached=2)
     outputs = {"a": [10, 11, 12, 13, 14], "b": [20, 21, 22, 23, 24], "c": [30, 31, 32, 33, 34]}
     live = {r: _request(r, [1, 2]) for r in outputs}
-    proposer.propose(_outcome(list(live.values()), [[3]] * 3))
+    _propose(proposer, list(live.values()), [[3]] * 3)
     preempted = _request("p", [1, 2])
-    proposer.propose(_outcome([preempted], [[3]]))
+    _propose(proposer, [preempted], [[3]])
     for r, tokens in outputs.items():
         live[r].output_token_ids = [3, *tokens]
         live[r].status = RequestStatus.FINISHED
@@ -190,7 +200,7 @@ def test_the_global_tree_keeps_the_last_finished_outputs_first_in_first_out():
     assert list(proposer.finished.outputs) == ["b", "c"]  # a was evicted first; p was preempted, not finished
     assert canonical(proposer.finished.tree) == brute_force([[3, *outputs["b"]], [3, *outputs["c"]]], 24)
     new = [_request(r, [9, 9]) for r in ("x", "y", "z")]
-    drafts = proposer.propose(_outcome(new, [[3, 10], [3, 20], [3, 30]])).token_ids
+    drafts = _propose(proposer, new, [[3, 10], [3, 20], [3, 30]])
     assert drafts == {"x": [], "y": [21, 22], "z": [31, 32]}  # two tokens matched: two drafts
     proposer.finished.add("c", [40, 41])  # an id again: its new output replaces the old one, at the back
     assert list(proposer.finished.outputs) == ["b", "c"]

@@ -17,6 +17,7 @@ from research_lm import LLM, SamplingParams
 from research_lm.train import TrainConfig, train_head
 from research_lm.train.eagle3 import default_aux_layers, draft_vocab_maps
 from research_lm.train.layers import ttt_attention
+from tests.spec_decode.spying import context, draft_values
 from tests.train.conftest import VOCAB, Crash, CrashAt
 
 H, HEADS, KV, HEAD_DIM, FFN = 32, 2, 1, 16, 64  # tests/train/conftest.py TINY_TARGET
@@ -175,16 +176,18 @@ def test_inference_drafts_are_the_training_time_argmax(heads, tiny_target, metho
     llm = LLM(str(tiny_target), device="cpu", dtype="float32",
               speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k})
     proposer, drafts = llm.engine.runner.proposer, []  # (request id, known tokens N, drafts for x[N], x[N+1], ..)
-    propose = proposer.propose
+    def recording(real):
+        def record(outcome):
+            made = real(outcome)
+            if made is not None:
+                for i, (req_id, values) in enumerate(draft_values(outcome, made).items()):
+                    if values:
+                        drafts.append((req_id, len(context(outcome, i)), values))
+            return made
+        return record
 
-    def recording(outcome):
-        proposal = propose(outcome)
-        for req, emitted in zip(outcome.requests, outcome.emitted, strict=True):
-            if proposal.token_ids.get(req.request_id):
-                drafts.append((req.request_id, req.num_tokens + len(emitted), proposal.token_ids[req.request_id]))
-        return proposal
-
-    proposer.propose = recording
+    for name in ("propose_on_device", "propose"):
+        setattr(proposer, name, recording(getattr(proposer, name)))
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 300, 40, 41, 300, 40, 41, 300, 77, 12]]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     seqs = {o.request_id: torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids]) for o in outs}
