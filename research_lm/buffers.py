@@ -41,6 +41,8 @@ class StepBuffers:
         # A step's counts in one host -> device copy (research_lm/step_inputs.py): for a step padded to b requests,
         # [table row (b) | query_start_loc (b + 1) | computed-count delta (b) | samples (b) | logits rows].
         self.staging = CpuGpuBuffer(4 * max_num_reqs + 1 + max_num_tokens, dtype=torch.int64, device=device)
+        # Fires when a step's copies have left the pinned host buffers, which the next step overwrites.
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def copy_block_table(self, num_reqs: int, num_cols: int) -> torch.Tensor:
         """Copy only the live corner of the block table; kernels read rows through their stride."""

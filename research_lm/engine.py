@@ -316,7 +316,7 @@ class LLMEngine:
         pending = self.runner.launch(sched)
         if self.eplb is not None:
             self.eplb.step()
-        self.scheduler.assume_launched(sched)
+        self.scheduler.assume_launched(sched, pending.num_proposed)
         return pending
 
     def make_output(self, req: Request) -> RequestOutput:

@@ -110,4 +110,4 @@ class RequestState:
         else:
             write_drafts = write_drafts_ref
         write_drafts(self.token_ids, self.num_tokens, rows, drafts)
-        self.num_drafts[rows.long()] = num.to(torch.int32)
+        self.num_drafts.index_copy_(0, rows.long(), num.to(torch.int32))

@@ -34,6 +34,7 @@ from research_lm.cuda_graphs import (
 from research_lm.ops.step_inputs import StepInputWriter
 from research_lm.outputs import RunnerOutput, SchedulerOutput
 from research_lm.request_state import RequestState
+from research_lm.rng import to_device
 from research_lm.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, TokenHistory, plain_greedy
 from research_lm.spec import Drafts, Proposer, StepOutcome, TokenTable
 from research_lm.step_inputs import StepInputs, prepare_step_inputs
@@ -55,6 +56,7 @@ class PendingStep:
     batch: SamplingBatch | None = None
     sampled: SamplerOutput | None = None  # plain sampling's, for its logprobs
     drafted: Drafts | None = None  # drafted at launch, on the device
+    num_proposed: dict[str, int] | None = None  # then: request id -> draft slots of its next step (their count)
     verifies: bool = False
     t0: float = 0.0
     draft_ms: float | None = None
@@ -237,7 +239,7 @@ class ModelRunner:
             t1 = time.perf_counter()
             step.drafted = self.proposer.propose_on_device(step.outcome)
             if step.drafted is not None:
-                self._write_drafts(step.outcome, step.drafted)
+                step.num_proposed = self._write_drafts(step.outcome, step.drafted)
                 step.draft_ms = (time.perf_counter() - t1) * 1e3
         packed = torch.cat([emitted.reshape(-1), num_emitted.to(torch.int64), num_real.to(torch.int64)])
         step.host, step.copied = self._host.start_copy(packed)
@@ -251,7 +253,7 @@ class ModelRunner:
         inputs, scheduled = step.inputs, step.sched.scheduled
         n, sampling = len(scheduled), inputs.sampling
         # Only some requests sample (others ran a prompt chunk): their rows among the step's, on the device.
-        index = None if len(sampling) == n else torch.tensor(sampling, dtype=torch.int64, device=self.device)
+        index = None if len(sampling) == n else to_device(sampling, torch.int64, self.device)
         rows = [SamplingRow(scheduled[i].request, then=range(j)) for i, j in inputs.sample_rows]  # (j: a count)
         history = TokenHistory(self.state.token_ids, [self.state.rows.row_of[r.request.request_id] for r in rows],
                                [r.request.num_prompt_tokens for r in rows],
@@ -279,18 +281,20 @@ class ModelRunner:
             num_real = torch.zeros(n, dtype=torch.int32, device=self.device).index_copy_(0, index, num_real)
         return emitted, num_emitted, num_real
 
-    def _write_drafts(self, outcome: StepOutcome, drafts: Drafts) -> None:
-        """Put the drafts in the token table right after each request's tokens, with how many are real."""
+    def _write_drafts(self, outcome: StepOutcome, drafts: Drafts) -> dict[str, int]:
+        """Put the drafts in the token table right after each request's tokens, with how many are real; the draft
+        slots of each request's next step (what the scheduler schedules: a count the host knows)."""
         rows = outcome.common.request_rows
-        self.state.num_drafts[rows.long()] = 0
+        self.state.num_drafts.index_fill_(0, rows.long(), 0)
+        self.draft_probs.update(drafts.probs)
         if not drafts.index:
-            return
-        drafted_rows = rows[torch.tensor(drafts.index, dtype=torch.int64, device=self.device)]
+            return {}
         k = drafts.token_ids.shape[1]
         num = drafts.num if drafts.num is not None else [k] * len(drafts.index)
-        self.state.write_drafts(drafted_rows, drafts.token_ids.contiguous(),
-                                num if isinstance(num, torch.Tensor) else torch.tensor(num, device=self.device))
-        self.draft_probs.update(drafts.probs)
+        self.state.write_drafts(rows[to_device(drafts.index, torch.int64, self.device)], drafts.token_ids.contiguous(),
+                                num if isinstance(num, torch.Tensor) else to_device(num, torch.int32, self.device))
+        slots = num if isinstance(num, list) else [k] * len(drafts.index)  # counted on the device: all k slots
+        return {outcome.requests[i].request_id: c for i, c in zip(drafts.index, slots, strict=True)}
 
     def collect(self, step: PendingStep) -> RunnerOutput:
         """Wait for a launched step's tokens; its RunnerOutput."""
@@ -316,18 +320,14 @@ class ModelRunner:
                               logprobs=logprobs, num_draft_tokens=real.tolist())
         if self.proposer is None:
             return output
-        drafts, output.draft_ms = step.drafted, step.draft_ms
-        if drafts is None:
+        output.num_proposed, output.draft_ms = step.num_proposed, step.draft_ms
+        if step.drafted is None:
             outcome = step.outcome
             outcome.emitted = emitted
             outcome.num_rejected = [s.num_spec_tokens + 1 - len(e) if e else 0 for s, e in zip(scheduled, emitted)]
             t1 = time.perf_counter()
-            drafts = self.proposer.propose(outcome)
-            self._write_drafts(outcome, drafts)
+            output.num_proposed = self._write_drafts(outcome, self.proposer.propose(outcome))
             output.draft_ms = (time.perf_counter() - t1) * 1e3
-        k = drafts.token_ids.shape[1]
-        num = drafts.num if isinstance(drafts.num, list) else [k] * len(drafts.index)
-        output.num_proposed = {scheduled[i].request.request_id: c for i, c in zip(drafts.index, num, strict=True)}
         if real.any():  # it verified real drafts (a step of draft slots an n-gram lookup left empty did not)
             output.verify_ms = (time.perf_counter() - step.t0) * 1e3 - (output.draft_ms or 0.0)
         return output

@@ -377,7 +377,7 @@ class SamplingBatch:
         if any_seen:
             idx = _penalty_index(rs, seen_rows, False, history, seen_history, V, device)
             seen_mask = torch.zeros(RV + 1, dtype=torch.bool, device=device)
-            seen_mask[idx] = True
+            seen_mask.index_fill_(0, idx, True)  # (an indexed assignment of a scalar copies it from the host)
             seen_mask = seen_mask[:RV].view(len(rs), V)
 
         return cls(

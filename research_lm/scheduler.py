@@ -369,17 +369,19 @@ class Scheduler:
             need += max(0, -(-slots // bs) - self.kv_cache.num_blocks_of(r.request_id))
         return need <= self.kv_cache.num_free_blocks
 
-    def assume_launched(self, scheduler_output: SchedulerOutput) -> None:
+    def assume_launched(self, scheduler_output: SchedulerOutput, num_proposed: dict[str, int] | None = None) -> None:
         """Advance the requests of a launched step before its tokens are known: the scheduled tokens count
         as computed, and a request whose chunk reaches its last token counts an output in flight for each token it
-        may emit (its drafts + 1) and, if it verified drafts, expects as many drafts for its next step."""
+        may emit (its drafts + 1) and expects drafts for its next step: `num_proposed` (the proposer drafted at
+        launch, on the device: request id -> its draft slots), else as many as it verified."""
         scheduler_output.assumed = True
         for sched in scheduler_output.scheduled:
             request = sched.request
             request.num_computed_tokens += sched.num_new_tokens
             if request.num_computed_tokens >= request.num_tokens:
                 request.num_output_placeholders += sched.num_spec_tokens + 1
-                request.num_spec_tokens = sched.num_spec_tokens
+                request.num_spec_tokens = (sched.num_spec_tokens if num_proposed is None
+                                           else num_proposed.get(request.request_id, 0))
 
     # ---- update ------------------------------------------------------------------------------
     def update_from_output(

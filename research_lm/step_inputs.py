@@ -62,6 +62,8 @@ def prepare_step_inputs(buf: StepBuffers, state: RequestState, scheduled: list[S
     logits_idx = qsl[1:][req_of_row] - np.repeat(drafts[sampling], num_rows) - 1 + offset
     s = len(logits_idx)
 
+    if buf.copied is not None:  # the last step's copies must have left the host buffers (done, as a rule)
+        buf.copied.synchronize()
     stage = buf.staging.np
     stage[:n] = rows
     stage[n:b] = -1
@@ -76,6 +78,8 @@ def prepare_step_inputs(buf: StepBuffers, state: RequestState, scheduled: list[S
         buf.block_table.np[i, : len(sr.block_ids)] = sr.block_ids
         max_blocks = max(max_blocks, len(sr.block_ids))
     block_table = buf.copy_block_table(n, max_blocks)
+    if buf.copied is not None:
+        buf.copied.record()
     seq_lens = starts + num_new  # the host's counts: guesses ahead of a verify step in flight
     buf.query_start_loc.np[: n + 1] = qsl  # host mirrors; on CPU the very buffers the gather then writes, exactly
     buf.seq_lens.np[:n] = seq_lens

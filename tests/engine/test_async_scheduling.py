@@ -156,10 +156,11 @@ def test_abort_while_in_flight(tiny_checkpoint):
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
                                   {"method": "draft_model", "num_speculative_tokens": 3}])
 def test_async_with_a_proposer_matches_sync(tiny_checkpoint, spec):
-    """A proposer that needs each step's tokens on the host (here, without graphs, every one) never has a step
-    launched ahead: each step is collected first. Its verify steps still go through `assume_launched` (a placeholder
-    per token the step may emit) and `update_from_output` (the rejected ones dropped): the same outputs, draft
-    counts and blocks as the synchronous engine, with chunked prefill, prefix caching and a stop token."""
+    """ngram drafts on the device at launch, so once every request is plain greedy the engine launches the next
+    step before collecting this one; a draft model needs each step's tokens on the host, so each of its steps is
+    collected first. Either way verify steps go through `assume_launched` (an output in flight per token the step may
+    emit) and `update_from_output` (the rejected ones dropped): the same outputs, draft counts and blocks as the
+    synchronous engine, with chunked prefill, prefix caching and a stop token."""
     path = tiny_checkpoint("llama")
     spec = spec | ({"model": str(path)} if spec["method"] == "draft_model" else {})
     stop, _ = _stop_token(path)
@@ -172,7 +173,28 @@ def test_async_with_a_proposer_matches_sync(tiny_checkpoint, spec):
     _same(got, want)
     assert [o.metrics.num_draft_tokens for o in got] == [o.metrics.num_draft_tokens for o in want]
     assert [o.metrics.num_accepted_tokens for o in got] == [o.metrics.num_accepted_tokens for o in want]
-    assert sum(o.metrics.num_accepted_tokens for o in got) > 0 and ahead and not any(ahead)
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0 and ahead
+    assert spec["method"] == "ngram" or not any(ahead)
+
+
+def test_ngram_steps_are_launched_ahead_of_their_verification(tiny_checkpoint):
+    """All greedy: every ngram step drafts on the device at launch, so the engine launches the next (verify) step
+    before collecting this one, from counts that assume every draft accepted; the tokens, draft and acceptance counts
+    are the synchronous engine's."""
+    path = tiny_checkpoint("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (14, 9, 20, 6)]
+    prompts = [p + p for p in _prompts(256, len(params))]  # repeats for the lookup to draft from
+    want = LLM(str(path), speculative_config=spec, **KNOBS).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), async_scheduling=True, speculative_config=spec, **KNOBS)
+    collect, ahead = llm.engine.runner.collect, []
+    llm.engine.runner.collect = lambda pending: ahead.append(llm.engine._in_flight is not None) or collect(pending)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    _same(got, want)
+    assert [o.metrics.num_draft_tokens for o in got] == [o.metrics.num_draft_tokens for o in want]
+    assert [o.metrics.num_accepted_tokens for o in got] == [o.metrics.num_accepted_tokens for o in want]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0 and sum(ahead) > len(ahead) // 2
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.num_blocks - 1
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.num_blocks - 1
 
 
