@@ -241,25 +241,26 @@ class ModelRunner:
             if step.drafted is not None:
                 step.num_proposed = self._write_drafts(step.outcome, step.drafted)
                 step.draft_ms = (time.perf_counter() - t1) * 1e3
-        packed = torch.cat([emitted.reshape(-1), num_emitted.to(torch.int64), num_real.to(torch.int64)])
+        # To the host: a plain step's sampled ids (the host knows its counts), a verify step's tokens and counts.
+        packed = emitted.view(-1) if not step.verifies else torch.cat(
+            [emitted.view(-1), num_emitted.to(torch.int64), num_real.to(torch.int64)])
         step.host, step.copied = self._host.start_copy(packed)
         self._latest = step
         return step
 
     def _sample_or_verify(self, step: PendingStep, greedy_ids: torch.Tensor | None, input_ids: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per scheduled request, on the device: emitted tokens [n, m] (-1 after them), how many [n], and the real
-        drafts it verified [n]. A request that does not sample (a prompt chunk short of its end) emits none."""
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per scheduled request, on the device: emitted tokens [n, m] (-1 after them), how many [n], and (a verify
+        step) the real drafts it verified [n]. A request that does not sample (a prompt chunk short of its end) emits
+        none."""
         inputs, scheduled = step.inputs, step.sched.scheduled
         n, sampling = len(scheduled), inputs.sampling
         # Only some requests sample (others ran a prompt chunk): their rows among the step's, on the device.
         index = None if len(sampling) == n else to_device(sampling, torch.int64, self.device)
-        rows = [SamplingRow(scheduled[i].request, then=range(j)) for i, j in inputs.sample_rows]  # (j: a count)
-        history = TokenHistory(self.state.token_ids, [self.state.rows.row_of[r.request.request_id] for r in rows],
-                               [r.request.num_prompt_tokens for r in rows],
-                               [r.request.num_tokens + len(r.then) for r in rows])
+        requests = [s.request for s in scheduled]
+        if not step.verifies or not all(plain_greedy(r) and r.sampling_params.logprobs is None for r in requests):
+            step.batch = self._sampling_batch(inputs.sample_rows, scheduled)
         if not step.verifies:
-            step.batch = SamplingBatch.build(rows, self.vocab_size, self.device, history=history)
             if greedy_ids is not None and step.batch.argmax_only:
                 step.sampled = SamplerOutput(greedy_ids)  # what the sampler returns here, computed in the graph
             else:
@@ -267,9 +268,7 @@ class ModelRunner:
             ids = step.sampled.token_ids
             if index is not None:
                 ids = torch.zeros(n, dtype=torch.int64, device=self.device).index_copy_(0, index, ids)
-            return ids[:, None], inputs.samples.to(torch.int32), torch.zeros_like(inputs.samples)
-        if not all(plain_greedy(r) and r.sampling_params.logprobs is None for r in (s.request for s in scheduled)):
-            step.batch = SamplingBatch.build(rows, self.vocab_size, self.device, history=history)
+            return ids[:, None], inputs.samples, None
         table_rows = inputs.rows[:n] if index is None else inputs.rows[:n][index]
         emitted, num_emitted, num_real = verify_drafts(
             scheduled, sampling, inputs.common.query_start_loc_cpu.numpy(), step.logits, greedy_ids, input_ids,
@@ -281,17 +280,31 @@ class ModelRunner:
             num_real = torch.zeros(n, dtype=torch.int32, device=self.device).index_copy_(0, index, num_real)
         return emitted, num_emitted, num_real
 
+    def _sampling_batch(self, sample_rows: list[tuple[int, int]], scheduled) -> SamplingBatch:
+        """The step's sampling batch; penalties read each row's history from the token table (row (i, j): request i's
+        prompt and outputs, then its first j drafts)."""
+        rows = [SamplingRow(scheduled[i].request, then=range(j)) for i, j in sample_rows]  # (j: only a count)
+        history = None
+        if any(r.request.sampling_params.penalized for r in rows):
+            history = TokenHistory(self.state.token_ids, [self.state.rows.row_of[r.request.request_id] for r in rows],
+                                   [r.request.num_prompt_tokens for r in rows],
+                                   [r.request.num_tokens + len(r.then) for r in rows])
+        return SamplingBatch.build(rows, self.vocab_size, self.device, history=history)
+
     def _write_drafts(self, outcome: StepOutcome, drafts: Drafts) -> dict[str, int]:
         """Put the drafts in the token table right after each request's tokens, with how many are real; the draft
         slots of each request's next step (what the scheduler schedules: a count the host knows)."""
         rows = outcome.common.request_rows
-        self.state.num_drafts.index_fill_(0, rows.long(), 0)
         self.draft_probs.update(drafts.probs)
+        every = drafts.index == list(range(len(rows)))  # (the common case: every request drafted, in order)
+        if not every:  # the others hold no drafts now
+            self.state.num_drafts.index_fill_(0, rows.long(), 0)
         if not drafts.index:
             return {}
         k = drafts.token_ids.shape[1]
         num = drafts.num if drafts.num is not None else [k] * len(drafts.index)
-        self.state.write_drafts(rows[to_device(drafts.index, torch.int64, self.device)], drafts.token_ids.contiguous(),
+        self.state.write_drafts(rows if every else rows[to_device(drafts.index, torch.int64, self.device)],
+                                drafts.token_ids.contiguous(),
                                 num if isinstance(num, torch.Tensor) else to_device(num, torch.int32, self.device))
         slots = num if isinstance(num, list) else [k] * len(drafts.index)  # counted on the device: all k slots
         return {outcome.requests[i].request_id: c for i, c in zip(drafts.index, slots, strict=True)}
@@ -305,9 +318,14 @@ class ModelRunner:
         scheduled = step.sched.scheduled
         n = len(scheduled)
         host = step.host.numpy()
-        m = (len(host) - 2 * n) // n
-        counts, real = host[n * m : n * m + n], host[n * m + n :]
-        emitted = [row[:c].tolist() for row, c in zip(host[: n * m].reshape(n, m), counts, strict=True)]
+        if step.verifies:
+            m = (len(host) - 2 * n) // n
+            counts, real = host[n * m : n * m + n], host[n * m + n :].tolist()
+            emitted = [row[:c].tolist() for row, c in zip(host[: n * m].reshape(n, m), counts, strict=True)]
+        else:  # one sampled id per request that samples
+            real, ids, emitted = [0] * n, host.tolist(), [[] for _ in scheduled]
+            for i in step.inputs.sampling:
+                emitted[i] = [ids[i]]
         logprobs = None
         if step.batch is not None and step.batch.max_num_logprobs is not None:
             if step.verifies:
@@ -317,7 +335,7 @@ class ModelRunner:
                 for i, lp in zip(step.inputs.sampling, step.sampled.logprob_dicts(step.batch), strict=True):
                     logprobs[i] = [lp] if lp is not None else []
         output = RunnerOutput(req_ids=[s.request.request_id for s in scheduled], sampled_token_ids=emitted,
-                              logprobs=logprobs, num_draft_tokens=real.tolist())
+                              logprobs=logprobs, num_draft_tokens=real)
         if self.proposer is None:
             return output
         output.num_proposed, output.draft_ms = step.num_proposed, step.draft_ms
@@ -328,6 +346,6 @@ class ModelRunner:
             t1 = time.perf_counter()
             output.num_proposed = self._write_drafts(outcome, self.proposer.propose(outcome))
             output.draft_ms = (time.perf_counter() - t1) * 1e3
-        if real.any():  # it verified real drafts (a step of draft slots an n-gram lookup left empty did not)
+        if any(real):  # it verified real drafts (a step of draft slots an n-gram lookup left empty did not)
             output.verify_ms = (time.perf_counter() - step.t0) * 1e3 - (output.draft_ms or 0.0)
         return output

@@ -36,32 +36,39 @@ def verify_drafts(
     int32, and its real drafts verified [n_s] int32, all on the device."""
     device = input_ids.device
     reqs = [scheduled[i] for i in sampling]
-    d = np.fromiter((s.num_spec_tokens for s in reqs), dtype=np.int64, count=len(reqs))
+    n = len(reqs)
+    d = np.fromiter((s.num_spec_tokens for s in reqs), dtype=np.int64, count=n)
     k_max = int(d.max(initial=0))
-    j = np.arange(k_max)[None, :]
-    first_row = np.cumsum(d + 1) - (d + 1)  # each request's first logits row
-    ends = query_start_loc[1:][sampling][:, None]  # draft j of a request is its token ends - d + j
-    draft_token = ends - np.maximum(d, 1)[:, None] + np.minimum(j, np.maximum(d[:, None] - 1, 0))  # clamped in range
-    target_row = first_row[:, None] + np.minimum(np.arange(k_max + 1)[None, :], d[:, None])
-    host = np.concatenate([draft_token.reshape(-1), target_row.reshape(-1), d])
-    up = to_device(torch.from_numpy(host), torch.int64, device)
-    draft_token_t, target_row_t, d_t = up.split([len(reqs) * k_max, len(reqs) * (k_max + 1), len(reqs)])
-    drafts = input_ids[draft_token_t].view(len(reqs), k_max)
-    num_real = torch.minimum(num_valid.to(torch.int64), d_t).to(torch.int32)
+    target_row_t = None  # None: logits row r*(k+1) + j is request r's row j (a uniform step)
+    if n == len(scheduled) and len(input_ids) == n * (k_max + 1) and (d == k_max).all():
+        # Every request runs its newest token and k drafts (a verify graph's step): views, no index to upload.
+        drafts = input_ids.view(n, k_max + 1)[:, 1:]
+        num_real = num_valid.to(torch.int32)  # (never above the k slots the drafter filled)
+    else:
+        j = np.arange(k_max)[None, :]
+        first_row = np.cumsum(d + 1) - (d + 1)  # each request's first logits row
+        ends = query_start_loc[1:][sampling][:, None]  # draft j of a request is its token ends - d + j
+        draft_token = ends - np.maximum(d, 1)[:, None] + np.minimum(j, np.maximum(d[:, None] - 1, 0))  # in range
+        target_row = first_row[:, None] + np.minimum(np.arange(k_max + 1)[None, :], d[:, None])
+        host = np.concatenate([draft_token.reshape(-1), target_row.reshape(-1), d])
+        up = to_device(torch.from_numpy(host), torch.int64, device)
+        draft_token_t, target_row_t, d_t = up.split([n * k_max, n * (k_max + 1), n])
+        drafts = input_ids[draft_token_t].view(n, k_max)
+        num_real = torch.minimum(num_valid.to(torch.int64), d_t).to(torch.int32)
     q = [draft_probs.pop(s.request.request_id, None) for s in reqs]
     if batch is None or batch.plain_argmax:
-        target = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1))[target_row_t]
-        target = target.view(len(reqs), k_max + 1)
+        target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
+        target = (target if target_row_t is None else target[target_row_t]).view(n, k_max + 1)
         slots = torch.arange(k_max, device=device)
         ok = (slots < num_real[:, None]) & (drafts == target[:, :k_max])
         n_acc = ok.long().cumprod(dim=1).sum(dim=1)
         emitted = torch.where(torch.arange(k_max + 1, device=device) <= n_acc[:, None], target, -1)
         return emitted, (n_acc + 1).to(torch.int32), num_real
     q_cat = None
-    if any(x is not None for x in q) and all(x is not None for x, n in zip(q, d) if n):
-        q_cat = torch.cat([x[:n] for x, n in zip(q, d) if n])
+    if any(x is not None for x in q) and all(x is not None for x, c in zip(q, d) if c):
+        q_cat = torch.cat([x[:c] for x, c in zip(q, d) if c])
     emitted = rejection_sample(
-        drafts, compute_probs(logits, batch), q_cat, [s.request.sampling_params.greedy for s in reqs],
+        drafts.contiguous(), compute_probs(logits, batch), q_cat, [s.request.sampling_params.greedy for s in reqs],
         [s.request.seed for s in reqs], [s.request.num_output_tokens for s in reqs], num_drafts=d.tolist(),
         num_valid=num_real)
     return emitted, (emitted >= 0).sum(dim=1).to(torch.int32), num_real

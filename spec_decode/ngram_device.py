@@ -10,18 +10,53 @@ counts may be guesses (it assumes every draft was accepted). The drafts for step
 token table the device has already written, not from host token values, and computing them must not make the host
 wait: every shape here follows from host ints (n, k, max_n, max_len, the table width), never from a device value.
 
-Memory: besides the outputs, the live temporaries are the gathered rows and the match lengths (turned in place into
-ranking keys), int32 [n, max_len] each, the running match mask and one comparison or fill mask, bool [n, max_len]
-each: 10 bytes per (row, position), 21 MB at n = 256, max_len = 8192, whatever max_n (a loop of max_n element-wise
-passes over the same buffers).
+On CUDA (`research_lm.ops.FUSED_DEVICE_TYPES`, outside torch.compile) one Triton kernel does the whole lookup
+(spec_decode/ngram_kernel.py, one launch, nothing allocated but the outputs); elsewhere `ngram_drafts_ref`, its
+reference, runs: vectorized torch, ~50 small kernels per call (four per step back, times max_n).
+
+The reference's memory: besides the outputs, the live temporaries are the gathered rows and the match lengths (turned
+in place into ranking keys), int32 [n, max_len] each, the running match mask and one comparison or fill mask, bool
+[n, max_len] each: 10 bytes per (row, position), 21 MB at n = 256, max_len = 8192, whatever max_n (a loop of max_n
+element-wise passes over the same buffers).
 """
 
 from __future__ import annotations
 
 import torch
 
+import research_lm.ops
+
 
 def ngram_drafts(
+    token_ids: torch.Tensor,  # [R, W] int32: row r = prompt, outputs, then next step's drafts
+    num_tokens: torch.Tensor,  # [R] int32: prompt + output tokens in row r
+    rows: torch.Tensor,  # [n] int64: the table rows to draft for
+    *,
+    min_n: int,
+    max_n: int,
+    k: int,
+    max_len: int,  # host bound: >= num_tokens[rows] (may exceed it)
+) -> tuple[torch.Tensor, torch.Tensor]:  # drafts [n, k] int64 (0 past the count), num_drafts [n] int32
+    """`find_ngram_proposals`' drafts and counts for each row's sequence, without a host sync: the kernel where the
+    fused ops run, the reference elsewhere."""
+    _check_bounds(min_n, max_n, k)
+    width = min(max_len, token_ids.shape[1])
+    fused = token_ids.device.type in research_lm.ops.FUSED_DEVICE_TYPES and not torch.compiler.is_compiling()
+    if not fused or k == 0 or rows.shape[0] == 0 or width < min_n + 1:  # the last three: nothing to launch
+        return ngram_drafts_ref(token_ids, num_tokens, rows, min_n=min_n, max_n=max_n, k=k, max_len=max_len)
+    from spec_decode.ngram_kernel import ngram_drafts_kernel
+
+    return ngram_drafts_kernel(token_ids, num_tokens, rows, min_n=min_n, max_n=max_n, k=k, width=width)
+
+
+def _check_bounds(min_n: int, max_n: int, k: int) -> None:
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"ngram_drafts needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+    if k < 0:
+        raise ValueError(f"ngram_drafts needs k >= 0, got k={k}")
+
+
+def ngram_drafts_ref(
     token_ids: torch.Tensor,  # [R, W] int32: row r = prompt, outputs, then next step's drafts
     num_tokens: torch.Tensor,  # [R] int32: prompt + output tokens in row r
     rows: torch.Tensor,  # [n] int64: the table rows to draft for
@@ -37,10 +72,7 @@ def ngram_drafts(
     ending at L - 1 (up to max_n, never before position 0), built one step back at a time. The best candidate
     maximizes match * P + (P - 1 - p) (longest, then earliest; P = positions scanned), if its match is >= min_n.
     """
-    if not 1 <= min_n <= max_n:
-        raise ValueError(f"ngram_drafts needs 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-    if k < 0:
-        raise ValueError(f"ngram_drafts needs k >= 0, got k={k}")
+    _check_bounds(min_n, max_n, k)
     assert token_ids.dim() == 2 and num_tokens.shape == token_ids.shape[:1], (token_ids.shape, num_tokens.shape)
     assert rows.dim() == 1 and rows.dtype == torch.int64, (rows.shape, rows.dtype)
     device, n = token_ids.device, rows.shape[0]

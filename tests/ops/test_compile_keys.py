@@ -15,6 +15,7 @@ rotary = import_module("research_lm.ops.rotary")
 eagle3_kernels = import_module("spec_decode.eagle3_kernels")
 rejection_kernel = import_module("research_lm.ops.rejection_kernel")
 step_inputs = import_module("research_lm.ops.step_inputs")
+ngram_kernel = import_module("spec_decode.ngram_kernel")
 
 UNSPECIALIZED = [  # (kernel, ints that change per step, pointers that may start at any offset)
     (kv_write._reshape_and_cache_kernel, ["num_tokens"], ["slot_mapping_ptr"]),
@@ -27,6 +28,7 @@ UNSPECIALIZED = [  # (kernel, ints that change per step, pointers that may start
     (eagle3_kernels._argmax_gather_kernel, [], ["out_ptr"]),
     (exponential_race._race_kernel, ["chunk", "splits"], ["keys_ptr"]),
     (exponential_race._reduce_splits_kernel, ["splits"], []),
+    (ngram_kernel._ngram_kernel, ["width"], ["rows_ptr"]),
     (rejection_kernel._rejection_kernel, ["K", "ids_stride", "host_stride"], ["ids_ptr", "host_ptr", "valid_ptr"]),
 ]
 
