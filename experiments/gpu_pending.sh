@@ -59,11 +59,16 @@
 # tensor parallelism (on nvidia-h100-x2: `pytest -m gpu tests/models/test_tensor_parallel.py tests/moe/test_engine_ep.py`,
 # then `torchrun --nproc-per-node 2 experiments/bench_tensor_parallel.py --shape llama-3.1-8b --batch 1 64 --steps 64
 # --warmup 8 --repeats 3`), suffix decoding and disable_by_batch_size on CUDA, the EPLB lplb dispatch on NCCL.
+# Session 22 (one H200; issue 28 stage 4, per-request state in device tables) ran `pytest -m gpu tests/spec_decode
+# tests/ops tests/engine tests/test_cuda_graphs.py tests/test_sampler.py tests/test_rejection_sampler.py` at 1014c3f
+# (passed; tests/engine/test_launch_never_waits.py launches under sync-debug mode) and the ab_issue28_stage4 A/Bs.
+# Not run at 1014c3f: tests/attention_zoo -m gpu (flashinfer / mla / mamba graph engine tests over the new gather),
+# the TP and EP GPU tests above, spec_ablation_h200 (the reference target) with ngram / Medusa now launching ahead.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
-    python -m pytest -m gpu tests/test_cuda_graphs.py tests/engine tests/ops tests/spec_decode/test_draft_graphs.py \
-      tests/attention_zoo -p no:cacheprovider -rfE -q ;;
+    python -m pytest -m gpu tests/test_cuda_graphs.py tests/engine tests/ops tests/spec_decode tests/test_sampler.py \
+      tests/test_rejection_sampler.py tests/attention_zoo -p no:cacheprovider -rfE -q ;;
   match)  # greedy spec outputs vs the baseline on the GPU: 1.0 of requests in float32, 0.875 in bfloat16 at
           # 89ff565 (bf16 rounding differs between a k+1-token verify forward and a 1-token decode forward)
     [ -d outputs/reference/target ] || bash experiments/train_reference.sh outputs/reference

@@ -124,6 +124,19 @@ TABLES: dict[str, Table] = {
         bench="ab_commits", args=("--old", "27437bc", "--case", "spec_eagle3_b1", "--case", "spec_eagle3_b32",
                                   "--case", "spec_ngram_b1", "--case", "spec_ngram_b32", "--spec-repeats", "2"),
     ),
+    "ab_issue28_stage4_h200": Table(
+        what="A/B of issue 28's stage 4 (per-request state in device tables, verification and n-gram drafting on "
+             "the device) against the session's start (8f3c88e, `git archive`): batch-1 decode ms/token and "
+             "nano-vllm tok/s, public API",
+        device="cuda", measured_on="NVIDIA H200", minutes="~4 min (3 repeats)",
+        bench="ab_commits", args=("--old", "8f3c88e", "--case", "decode_b1", "--case", "throughput"),
+    ),
+    "ab_issue28_stage4_spec_h200": Table(
+        what="the same A/B on EAGLE-3 / ngram speedups of the shipped tiny pair (k = 5, greedy) at batch 1 and 32",
+        device="cuda", measured_on="NVIDIA H200", minutes="~6 min (2 repeats)",
+        bench="ab_commits", args=("--old", "8f3c88e", "--case", "spec_eagle3_b1", "--case", "spec_eagle3_b32",
+                                  "--case", "spec_ngram_b1", "--case", "spec_ngram_b32", "--spec-repeats", "2"),
+    ),
     "moe_routing_skew": Table(
         what="routing skew and code-vs-prose drift of small Qwen3-MoE / Qwen2-MoE (shared expert) models trained here "
              "vs random init; rewrites research_lm/assets/moe_traces",
