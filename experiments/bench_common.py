@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from research_lm.report import aggregate_records, fmt_spread
+from research_lm.harness.report import aggregate_records, fmt_spread
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -113,7 +113,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    from research_lm.env_info import environment as env
+    from research_lm.harness.env_info import environment as env
 
     info = env(device)
     git = info["git"]
@@ -183,7 +183,7 @@ def run_table(name: str, device: torch.device, args: argparse.Namespace, measure
 def aggregate(payloads: list[dict[str, Any]], key: Sequence[str]) -> dict[str, Any]:
     """Repeats of one table as one payload: the first repeat's fields, its numeric top-level fields (e.g. the
     measured ceilings) and every row's numeric fields replaced by the median over repeats (rows matched by
-    `key`), `spread` = [min, max] beside them (research_lm.report.aggregate_records), `repeats_raw` =
+    `key`), `spread` = [min, max] beside them (research_lm.harness.report.aggregate_records), `repeats_raw` =
     every repeat's payload (without env)."""
     out = dict(payloads[0])
     top = aggregate_records([[{k: v for k, v in p.items() if _is_number(v)}] for p in payloads], ())[0]

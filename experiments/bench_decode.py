@@ -65,7 +65,7 @@ from bench_common import (
     weight_bytes,
 )
 
-import research_lm.runner as runner_module
+import research_lm.worker.runner as runner_module
 
 NAME = "bench_decode"
 DEFAULT_SHAPE = "llama-3.2-1b"
@@ -93,7 +93,7 @@ def build_llm(path: str, args, n: int, **variant: Any):
 
 def unsupported(variant: dict[str, Any]) -> str | None:
     """Why this research_lm cannot build the variant (a keyword EngineConfig lacks), or None."""
-    from research_lm.config import EngineConfig
+    from research_lm.api.config import EngineConfig
 
     missing = [k for k in variant if k not in EngineConfig.__dataclass_fields__]
     return f"skipped: EngineConfig has no {', '.join(missing)}" if missing else None
@@ -123,7 +123,7 @@ def decode_steps(engine, prompts: list[list[int]], warmup: int, steps: int) -> l
 
 def forward_alone_ms(engine, device: torch.device) -> float:
     """One decode token's forward over the step buffers (graph replay when captured), as the step runs it."""
-    from research_lm.cuda_graphs import graph_metadata
+    from research_lm.worker.cuda_graphs import graph_metadata
 
     runner = engine.runner
     buf = runner.buffers

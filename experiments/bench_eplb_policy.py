@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from bench_common import add_repeat_args, cell, repeat, repeats_line, write_results
 
-from research_lm.env_info import environment
 from research_lm.eplb import available_policies, get_policy, replay, simulate_ep, zipf_load, zipf_trace
+from research_lm.harness.env_info import environment
 
 NAME = "eplb_policy"
 LAYERS, EXPERTS, SLOTS, GROUPS, NODES, GPUS = 58, 256, 288, 8, 4, 32

@@ -11,7 +11,7 @@ drafter also the prompt's entry into the drafter and its first drafts. Reported 
 (perf_counter around the engine's step). Engines, all built before the first repeat and run in turn in one
 process:
 - plain / eagle3: the defaults (CUDA graphs, and one request's prompt of <= 512 tokens replays a batch-1
-  prefill graph: research_lm/cuda_graphs.py, spec_decode/draft_graphs.py);
+  prefill graph: research_lm/worker/cuda_graphs.py, spec_decode/draft_graphs.py);
 - "... eager prompts": `prefill_graph_sizes=[]`, so prompts run eagerly (decode and draft graphs stay).
 On a CPU there are no graphs: both variants run eagerly, and the run only checks the plumbing.
 

@@ -52,7 +52,7 @@ import torch
 from bench_common import add_repeat_args, cell, env_line, repeats_line, run_table
 
 import research_lm.ops
-import research_lm.runner as runner_module
+import research_lm.worker.runner as runner_module
 from research_lm import LLM, SamplingParams
 
 NAME = "bench_spec_host"

@@ -49,7 +49,7 @@ NAME = "bench_throughput"
 
 
 def workload(n: int, vocab: int, temperature: float):
-    from research_lm.workloads import WorkloadSpec, build_workload
+    from research_lm.harness.workloads import WorkloadSpec, build_workload
 
     spec = WorkloadSpec(kind="synthetic", num_requests=n, input_len=(100, 1024), output_len=(100, 1024),
                         temperature=temperature, ignore_eos=True, seed=0)  # fmt: skip

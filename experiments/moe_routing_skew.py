@@ -4,13 +4,13 @@
                                               # and research_lm/assets/moe_traces/<variant>/{code,prose,switch}.npz
 
 Each repeat is one training seed (--seed + repeat index). For each variant:
-- train it with `research_lm.train.moe.train_moe` (next-token loss + the architecture's load-balancing loss at its
+- train it with `harness.train.moe.train_moe` (next-token loss + the architecture's load-balancing loss at its
   default coefficient, 0.001), keeping the same model before its first step as the random-init baseline;
-- serve the code and the prose workload (research_lm.workloads: conf/workload's defaults, --requests requests of
+- serve the code and the prose workload (research_lm.harness.workloads: conf/workload's defaults, --requests requests of
   --max-tokens tokens, at most --max-num-seqs running) on each checkpoint, each on a fresh engine loaded by the
   normal loader, `LLM(path, eplb_config={"record_trace": ...})` (policy none), and write the traces; the switch
   trace is the code trace followed by the prose trace (meta["segments"] gives each one's steps);
-- measure the per-expert load (research_lm.train.routing_stats): skew per layer, and drift between code and prose
+- measure the per-expert load (harness.train.routing_stats): skew per layer, and drift between code and prose
   against the drift between the two halves of one workload (what sampling alone moves).
 The first repeat's traces of the trained models are copied to --traces-out (the committed ones).
 """
@@ -26,11 +26,11 @@ import torch
 from bench_common import add_repeat_args, cell, env_line, environment, repeat, repeats_line, write_results
 
 from research_lm.eplb.trace import save_trace
-from research_lm.train import routing_stats as rs
-from research_lm.train.config import TrainConfig
-from research_lm.train.moe import DEFAULT_SHAPE, SHARED_EXPERT_RATIO, train_moe
-from research_lm.train.moe_traces import SHIPPED_TRACES, TRACE_KINDS, record_trace
-from research_lm.workloads import WorkloadSpec
+from research_lm.harness.train import routing_stats as rs
+from research_lm.harness.train.config import TrainConfig
+from research_lm.harness.train.moe import DEFAULT_SHAPE, SHARED_EXPERT_RATIO, train_moe
+from research_lm.harness.train.moe_traces import SHIPPED_TRACES, TRACE_KINDS, record_trace
+from research_lm.harness.workloads import WorkloadSpec
 
 NAME = "moe_routing_skew"
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def render(payload: dict) -> str:
         f"({m['num_key_value_heads']} KV), every MLP a MoE of {experts} experts of {m['moe_intermediate_size']}, "
         f"top-{top_k} (renormalised), tiny-llama's 1024-token vocabulary; qwen2_moe adds a gated shared expert of "
         f"{SHARED_EXPERT_RATIO * m['moe_intermediate_size']}. "
-        f"Trained in-framework (`research_lm.train.moe.train_moe`) for {setup['steps']} steps of 8 x 128 tokens "
+        f"Trained in-framework (`harness.train.moe.train_moe`) for {setup['steps']} steps of 8 x 128 tokens "
         f"on the first {setup['corpus_bytes']:,} characters of the stdlib plus the pydoc topics (corpus hash "
         f"{first['corpus_hash']}, pydoc {first['pydoc_hash']}), AdamW 3e-3, loss = cross-entropy + "
         f"{first['router_aux_loss_coef']} x load-balancing loss (transformers' Switch-style loss at the "

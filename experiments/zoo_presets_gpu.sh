@@ -3,7 +3,7 @@
 #   attention_ablation: Llama-3.2-1B shape (random weights), torch_ref / triton / flashinfer x batch 1, 16, 64, 256
 #   mla, sliding_window, mamba: memory per token and decode speed vs the same-size dense GQA baseline
 #   bash experiments/zoo_presets_gpu.sh SWEEP_DIR
-# Then: python -m research_lm.report SWEEP_DIR/<preset> --repeat-key seed (median and spread over the seeds).
+# Then: python -m research_lm.harness.report SWEEP_DIR/<preset> --repeat-key seed (median and spread over the seeds).
 # The same sweeps, one table each: python -m experiments.paper {mla,sliding_window,mamba,attention_ablation}_h200
 set -uo pipefail
 SWEEP=$1

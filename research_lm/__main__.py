@@ -2,9 +2,9 @@
 
 Every bad command line (an unknown option, key or flag, a value of the wrong type or out of range, a path that
 cannot be read) and our own errors print one line on stderr and exit 2, before any model is built: an unknown
-config choice lists the valid ones; the rest is checked by composing the config first (research_lm/cli_checks.py).
+config choice lists the valid ones; the rest is checked by composing the config first (harness/cli_checks.py).
 Under torchrun (`torchrun --nproc-per-node 2 -m research_lm ... eplb.expert_parallel=true`, see
-research_lm/distributed.py) every rank runs the same work and rank 0 alone writes the run folder, the
+research_lm/engine/distributed.py) every rank runs the same work and rank 0 alone writes the run folder, the
 logs and the printed table.
 """
 
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from research_lm.cli_checks import USER_ERRORS, UsageError, check_command_line, check_config, one_line
+from research_lm.harness.cli_checks import USER_ERRORS, UsageError, check_command_line, check_config, one_line
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -66,7 +66,7 @@ def main() -> None:
     except UsageError as e:
         _fail(str(e))
 
-    from research_lm.distributed import is_main_process
+    from research_lm.engine.distributed import is_main_process
 
     if not is_main_process():
         sys.argv += _silence_rank()  # after the user's overrides: the last value wins
@@ -76,7 +76,7 @@ def main() -> None:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def app(cfg) -> None:
-        from research_lm.experiment import run
+        from research_lm.harness.experiment import run
 
         hc = HydraConfig.get()
         group = Path(hc.sweep.dir).name if hc.mode.name == "MULTIRUN" else None

@@ -40,7 +40,7 @@ max(Aq, P), P the longest prompt graph (below):
     _drafts [k, A] int64           drafts 1 .. k of each request (chain step j reads row j - 1 in place), until
                                    the next replay; `drafts(rows)` gathers them
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
-Padding follows `research_lm.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
+Padding follows `research_lm.worker.cuda_graphs`: token rows past the step's get position 0 and slot -1, request
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
 writing no KV; their drafts are noise (a request keeps drafts 1 .. its budget).
 
@@ -67,7 +67,7 @@ own: 16 .. 512): an eager entry over ~150 prompt rows cost the host ~4 ms at bat
 requests) is `split`: the proposer runs its first rows eagerly (they only write the drafter's KV) and the graph
 the last ones.
 Not captured at all for a drafter with a layer that syncs with the host in forward
-(`research_lm.cuda_graphs.uncapturable_reason`; the runner checks only the target), and the entry is
+(`research_lm.worker.cuda_graphs.uncapturable_reason`; the runner checks only the target), and the entry is
 captured with q = 1 only where an attention backend lacks `cuda_graphs_multi_token`. The attention launch
 plans are fixed at capture with max_seq_len = max_model_len + num_lookahead_tokens, the longest any
 draft row reaches.
@@ -85,9 +85,9 @@ import torch
 
 import research_lm.ops
 from attention_zoo import CacheLayer, CommonAttentionMetadata
-from research_lm import rng
-from research_lm.cuda_graphs import Capture
-from research_lm.sampler import apply_temperature, random_sample
+from research_lm.worker import rng
+from research_lm.worker.cuda_graphs import Capture
+from research_lm.worker.sampler import apply_temperature, random_sample
 
 # (ids [T], positions [T], metadata, features or carry [T, F] | None) -> (out for the logits [T, H], carry | None)
 DraftForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from research_lm.cuda_graphs import Capture, uncapturable_reason
+from research_lm.engine.request import Request
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
-from research_lm.request import Request
-from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from research_lm.worker.cuda_graphs import Capture, uncapturable_reason
+from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
 
@@ -36,7 +36,7 @@ _PAGED_KINDS = ("attention", "mla")
 
 
 class DraftModelProposer(Proposer):
-    """`research_lm.spec.Proposer` over any causal LM the engine can load."""
+    """`research_lm.worker.spec.Proposer` over any causal LM the engine can load."""
 
     aux_hidden_state_layers: tuple[int, ...] = ()
 

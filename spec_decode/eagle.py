@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from research_lm.cuda_graphs import Capture, uncapturable_reason
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, is_rotary_buffer, load_params
 from research_lm.models.layers import (
     GatedMLP,
@@ -55,8 +54,9 @@ from research_lm.models.layers import (
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
 from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
-from research_lm.sampler import plain_greedy
-from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from research_lm.worker.cuda_graphs import Capture, uncapturable_reason
+from research_lm.worker.sampler import plain_greedy
+from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
     cache_layers_of,
@@ -250,7 +250,7 @@ class Eagle3Head(nn.Module):
 
 
 class EagleProposer(Proposer):
-    """`research_lm.spec.Proposer` over an EAGLE / EAGLE-3 head with its own paged KV cache.
+    """`research_lm.worker.spec.Proposer` over an EAGLE / EAGLE-3 head with its own paged KV cache.
 
     Each step the head first recomputes its rows for every position the target verified this step
     (c .. n-1, where c = the target's computed tokens before the step and x[n] the newest token),

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
-from research_lm import rng
+from research_lm.engine.request import Request
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import checkpoint_files, iter_checkpoint, resolve_model_path
-from research_lm.request import Request
-from research_lm.sampler import (
+from research_lm.worker import rng
+from research_lm.worker.sampler import (
     SamplingBatch,
     SamplingRow,
     plain_greedy,
@@ -36,7 +36,7 @@ from research_lm.sampler import (
     process_logits,
     random_sample,
 )
-from research_lm.spec import Drafts, StepOutcome
+from research_lm.worker.spec import Drafts, StepOutcome
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 
 # ---------------------------------------------------------------------------------------------------

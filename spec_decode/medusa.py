@@ -26,9 +26,9 @@ from torch import nn
 from research_lm.models.base import CheckpointError, ModelBuildContext, build_scope, load_params
 from research_lm.models.layers import Linear
 from research_lm.models.loader import checkpoint_files, read_json_config
-from research_lm.rng import to_device
-from research_lm.sampler import plain_greedy
-from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from research_lm.worker.rng import to_device
+from research_lm.worker.sampler import plain_greedy
+from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 from spec_decode.heads import (
     check_names,
     check_shape,
@@ -104,7 +104,7 @@ class MedusaHeads(nn.ModuleList):
 
 
 class MedusaProposer(Proposer):
-    """`research_lm.spec.Proposer`: draft j of a request is head j's choice at its last verified row. Greedy drafts
+    """The `Proposer` of Medusa heads: draft j of a request is head j's choice at its last verified row. Greedy drafts
     are picked on the device at launch (`propose_on_device`), so async scheduling launches the next step behind them;
     a request that samples its drafts or reads a penalty drafts at collect."""
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 from spec_decode.ngram_device import ngram_drafts
 
 
@@ -80,7 +80,7 @@ def find_ngram_proposals(
 
 
 class NgramStepProposer(Proposer):
-    """`research_lm.spec.Proposer` over the n-gram rule, looked up on the device in the runner's token table
+    """`research_lm.worker.spec.Proposer` over the n-gram rule, looked up on the device in the runner's token table
     (spec_decode/ngram_device.py, equal to `find_ngram_proposals`): it needs no host values, so every step drafts at
     launch and async scheduling may launch the next step right behind it."""
 

@@ -1,9 +1,9 @@
 """The plugin entry (pyproject.toml's "research_lm.proposers" entry point): which module registers each speculative
 method, imported when that method is first asked for. A new proposer is a module that decorates its factory with
-`@research_lm.spec.register_proposer("<method>")`, plus its line here.
+`@research_lm.worker.spec.register_proposer("<method>")`, plus its line here.
 """
 
-from research_lm.spec import PROPOSERS
+from research_lm.worker.spec import PROPOSERS
 
 PROPOSERS.add_module("ngram", "spec_decode.ngram")
 PROPOSERS.add_module("draft_model", "spec_decode.draft_model")

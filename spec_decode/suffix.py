@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from research_lm.request import Request
-from research_lm.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from research_lm.engine.request import Request
+from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
 
 _NONE = -1  # best child: the node has no children
 _STALE = -2  # best child: a child's count went down; recounted from the children when next needed
@@ -252,7 +252,7 @@ class _Live:
 
 
 class SuffixProposer(Proposer):
-    """`research_lm.spec.Proposer` for suffix decoding: needs no hidden states or q (see the module docstring)."""
+    """The `Proposer` for suffix decoding: needs no hidden states or q (see the module docstring)."""
 
     def __init__(self, num_speculative_tokens: int, max_tree_depth: int, max_cached_requests: int,
                  max_spec_factor: float, min_token_prob: float) -> None:

@@ -133,7 +133,7 @@ def test_bad_command_line_is_one_line_exit_2(args, expected, tmp_path, monkeypat
 ])
 def test_valid_command_lines_pass_the_checks(args):
     from research_lm.__main__ import CONF_DIR
-    from research_lm.cli_checks import check_command_line
+    from research_lm.harness.cli_checks import check_command_line
 
     check_command_line(args, CONF_DIR)
 

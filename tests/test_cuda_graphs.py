@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (research_lm/cuda_graphs.py).
+"""Decode CUDA graphs (research_lm/worker/cuda_graphs.py).
 
 Invariants: a padded decode batch is a prefix view of the persistent step buffers, so every metadata
 tensor keeps the address it had at capture (data_ptr equality, step after step); padded rows have
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from research_lm import LLM, SamplingParams
-from research_lm.buffers import StepBuffers
-from research_lm.cuda_graphs import (
+from research_lm.worker.buffers import StepBuffers
+from research_lm.worker.cuda_graphs import (
     DecodeGraphs,
     buffer_addresses,
     default_capture_sizes,

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from research_lm import LLM, SamplingParams
-from research_lm.cuda_graphs import DecodeGraphs, eager_capture
-from research_lm.spec import check_speculative_config
+from research_lm.worker.cuda_graphs import DecodeGraphs, eager_capture
+from research_lm.worker.spec import check_speculative_config
 from tests.spec_decode.test_draft_graphs import KNOBS as GRAPH_KNOBS
 from tests.spec_decode.test_draft_graphs import _spec
 from tests.spec_decode.test_spec_formats import V

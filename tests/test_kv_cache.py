@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from research_lm.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager, num_blocks_from_memory
-from research_lm.request import Request
-from research_lm.sampling_params import SamplingParams
+from research_lm.api.sampling_params import SamplingParams
+from research_lm.engine.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager, num_blocks_from_memory
+from research_lm.engine.request import Request
 
 
 def make_request(req_id: str, prompt: list[int], output: list[int] = ()) -> Request:

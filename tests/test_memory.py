@@ -1,10 +1,10 @@
-"""KV block budget (research_lm/memory.py): what fits in memory, capped at a multiple of what is useful."""
+"""KV block budget (research_lm/engine/memory.py): what fits in memory, capped at a multiple of what is useful."""
 
 from __future__ import annotations
 
 import torch
 
-from research_lm.memory import PREFIX_CACHE_HEADROOM, num_kv_blocks
+from research_lm.engine.memory import PREFIX_CACHE_HEADROOM, num_kv_blocks
 
 GIB = 2**30
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from research_lm.kv_cache import KVCacheManager
-from research_lm.request import Request
-from research_lm.sampling_params import SamplingParams
+from research_lm.api.sampling_params import SamplingParams
+from research_lm.engine.kv_cache import KVCacheManager
+from research_lm.engine.request import Request
 
 
 def _cached_then_lookup(recompute: bool) -> tuple[list[int], int]:

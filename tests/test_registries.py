@@ -38,10 +38,10 @@ LAZY: Registry = Registry("widget", {"lazy": "lazy_widget", "missing": "no_such_
 def test_every_extension_point_is_a_registry():
     from attention_zoo.registry import BACKENDS
     from research_lm.eplb.registry import POLICIES
-    from research_lm.experiment import TASKS
-    from research_lm.loggers import LOGGERS
+    from research_lm.harness.experiment import TASKS
+    from research_lm.harness.loggers import LOGGERS
     from research_lm.models.registry import MODELS
-    from research_lm.spec import PROPOSERS
+    from research_lm.worker.spec import PROPOSERS
 
     for reg in (BACKENDS, POLICIES, TASKS, LOGGERS, MODELS, PROPOSERS):
         assert isinstance(reg, Registry) and reg.names()

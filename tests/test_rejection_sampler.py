@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import research_lm.ops
-from research_lm import rng
-from research_lm.rejection_sampler import PLACEHOLDER_TOKEN_ID, parse_output, rejection_sample
-from research_lm.request import Request
-from research_lm.sampler import Sampler, SamplingBatch, compute_probs, random_sample
-from research_lm.sampling_params import SamplingParams
+from research_lm.api.sampling_params import SamplingParams
+from research_lm.engine.request import Request
+from research_lm.worker import rng
+from research_lm.worker.rejection_sampler import PLACEHOLDER_TOKEN_ID, parse_output, rejection_sample
+from research_lm.worker.sampler import Sampler, SamplingBatch, compute_probs, random_sample
 from tests.test_sampler import CountOps
 
 CPU = torch.device("cpu")

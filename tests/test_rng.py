@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from research_lm import rng
+from research_lm.worker import rng
 
 CPU = torch.device("cpu")
 U64 = (1 << 64) - 1

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from research_lm.request import Request
-from research_lm.sampler import (
+from research_lm.api.sampling_params import SamplingParams
+from research_lm.engine.request import Request
+from research_lm.worker.sampler import (
     Sampler,
     SamplingBatch,
     SamplingRow,
@@ -20,7 +21,6 @@ from research_lm.sampler import (
     compute_probs,
     process_logits,
 )
-from research_lm.sampling_params import SamplingParams
 
 V = 32
 

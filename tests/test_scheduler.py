@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from research_lm.kv_cache import NULL_BLOCK_ID, KVCacheManager
-from research_lm.outputs import RunnerOutput, SchedulerOutput
-from research_lm.request import Logprob, Request, RequestStatus
-from research_lm.sampling_params import SamplingParams
-from research_lm.scheduler import Scheduler
+from research_lm.api.outputs import RunnerOutput, SchedulerOutput
+from research_lm.api.sampling_params import SamplingParams
+from research_lm.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
+from research_lm.engine.request import Logprob, Request, RequestStatus
+from research_lm.engine.scheduler import Scheduler
 from tests.test_kv_cache import assert_kv_invariants
 
 VOCAB = 24

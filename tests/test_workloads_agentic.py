@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from research_lm.workloads import WorkloadSpec, build_workload
+from research_lm.harness.workloads import WorkloadSpec, build_workload
 
 TURN = re.compile(r"# User: in `(\w+)`, (.+)\.\n# Agent:\n")
 

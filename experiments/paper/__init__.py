@@ -13,7 +13,7 @@ Two kinds of table (TABLES below):
 - a benchmark script, `experiments/<bench>.py`: its `main(argv)` runs with the table's arguments plus
   `--repeats N --out DIR --name TABLE` and aggregates the repeats itself (experiments/bench_common.py);
 - a Hydra sweep, `python -m research_lm -m <overrides> +repeat=0,...,N-1` (or `seed=0,...,N-1` for a table
-  whose repeats are seeds, `repeat_key="seed"`), then `research_lm.report` with that repeat key: jobs that
+  whose repeats are seeds, `repeat_key="seed"`), then `research_lm.harness.report` with that repeat key: jobs that
   differ only in it are repeats of one cell.
 A GPU table refuses to run without CUDA; `--allow-cpu` runs its tiny CPU variant instead (`smoke`
 arguments) and writes `<table>_cpu_smoke.*` under outputs/paper/, never over the committed table.
@@ -450,8 +450,8 @@ def write_sweep_table(table: Table, name: str, sweep_dir: Path, *, out: Path, fi
                       sweep_commands: list[str], note: str = "") -> Path:
     """The report of every job under `sweep_dir` (grouped over the repeat key) as <out>/<file_name>.md + .json,
     with the table's plots copied beside it. `note`: a sentence about how this copy was measured."""
-    from research_lm.env_info import command_line
-    from research_lm.report import build_report
+    from research_lm.harness.env_info import command_line
+    from research_lm.harness.report import build_report
 
     key = "+repeat" if table.repeat_key == "repeat" else table.repeat_key
     report = build_report(sweep_dir, repeat_key=table.repeat_key)
@@ -468,7 +468,7 @@ def write_sweep_table(table: Table, name: str, sweep_dir: Path, *, out: Path, fi
     lines = [f"# {table.title or name}", "", *warning, table.about, "",
              f"Regenerate: `{command(name)}` (needs {'a CUDA GPU' if table.device == 'cuda' else 'a CPU'}; "
              f"{table.minutes} at 3 repeats). It runs the sweep(s) below ({repeats} repeats of every cell, `{key}`) "
-             f"and `python -m research_lm.report {_rel(sweep_dir)} --repeat-key {table.repeat_key}`.", ""]
+             f"and `python -m research_lm.harness.report {_rel(sweep_dir)} --repeat-key {table.repeat_key}`.", ""]
     if note:
         lines += [note, ""]
     for line in body:

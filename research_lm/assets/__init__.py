@@ -9,7 +9,7 @@ ASSETS = Path(__file__).resolve().parent
 
 # built-in target -> {spec.method: the built-in head trained for it}. A run on that target with that method and
 # no head given (spec.model null) drafts with the shipped head instead of training a quick one first
-# (research_lm.experiment.with_spec_head); methods missing here still train one on the fly.
+# (research_lm.harness.experiment.with_spec_head); methods missing here still train one on the fly.
 SHIPPED_HEADS: dict[str, dict[str, str]] = {
     "tiny-llama": {"eagle3": "tiny-llama-eagle3"},
 }

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from research_lm.corpus import corpus_hash, stdlib_files
+from research_lm.harness.corpus import corpus_hash, stdlib_files
 
 OUT = Path(__file__).parent / "tiny-llama"
 VOCAB = 1024

@@ -86,7 +86,7 @@ class EplbController:
         settings.check_experts(self.num_experts)
         self.layers = layers
         self.settings = settings
-        self.meta = {**(meta or {}), "source": "research_lm.engine", "policy": settings.policy,
+        self.meta = {**(meta or {}), "source": "research_lm.engine.llm_engine", "policy": settings.policy,
                      "step_interval": settings.step_interval, "window_size": settings.window_size,
                      "num_physical_experts": self.num_slots}
         self.policy = get_policy(settings.policy)

@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from research_lm.checks import checked
+from research_lm.api.checks import checked
 
-# eplb_config key -> its kind (research_lm.checks; "?": None allowed); the keys are EplbSettings' fields.
+# eplb_config key -> its kind (research_lm.api.checks; "?": None allowed); the keys are EplbSettings' fields.
 _KINDS = {
     "policy": "str", "step_interval": "count", "window_size": "posint", "max_rebalances": "count?",
     "num_ep_ranks": "posint", "num_nodes": "posint", "num_redundant_experts": "count", "record_trace": "path?",
@@ -30,7 +30,7 @@ class EplbSettings:
     num_nodes: int = 1
     num_redundant_experts: int = 0  # physical slots per layer = num_experts + this
     record_trace: str | None = None  # write the per-step logical load to this .npz (research_lm.eplb.trace)
-    # Real EP over the torchrun processes (research_lm.distributed): num_ep_ranks must equal WORLD_SIZE.
+    # Real EP over the torchrun processes (research_lm.engine.distributed): num_ep_ranks must equal WORLD_SIZE.
     expert_parallel: bool = False
     dispatch: str = "policy"  # how tokens pick among replicas: the policy's rule, round_robin or least_loaded
     rebalance_layers_per_chunk: int | None = None  # None: move every layer at once; c: c layers a step after

@@ -4,7 +4,7 @@ A model family is one file in this package: a class `Model(hf_config, build)` de
 `@register_model("XForCausalLM", ...)` and listed in `registry.MODELS`. Its parameters are
 named like the Hugging Face checkpoint's tensors (after stacking, see `load_params`), and each one
 carries a `weight_loader(param, tensor, shard_id=None)`: the one place that slices a checkpoint tensor to what
-this tensor-parallel rank holds (`ModelBuildContext.tp`, research_lm/parallel.py).
+this tensor-parallel rank holds (`ModelBuildContext.tp`, research_lm/worker/parallel.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from research_lm.parallel import TensorParallel
+from research_lm.worker.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class CausalLM(Protocol):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         attn_metadata: dict[str, Any],  # backend name -> that backend's metadata for this step
-    ) -> torch.Tensor: ...  # [num_tokens, hidden], final norm applied (taps: research_lm/taps.py)
+    ) -> torch.Tensor: ...  # [num_tokens, hidden], final norm applied (taps: research_lm/worker/taps.py)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, hidden] -> [n, vocab] fp32
 

@@ -75,7 +75,7 @@ from research_lm.moe.config import MoeOptions
 from research_lm.moe.layer import MoeBlock
 from research_lm.moe.router import RouterConfig
 from research_lm.moe.weights import load_moe_params
-from research_lm.parallel import split_size
+from research_lm.worker.parallel import split_size
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

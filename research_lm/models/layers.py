@@ -5,7 +5,7 @@ RMSNorm, RotaryEmbedding and GatedMLP run fused Triton kernels on CUDA (`researc
 
 Parameters are created with torch's current default device and dtype: build them inside
 `base.build_scope`. Every parameter gets a `weight_loader`. The `*Parallel*` layers take an optional
-`TensorParallel` (research_lm/parallel.py): with it they hold this rank's share of the weights, sliced from
+`TensorParallel` (research_lm/worker/parallel.py): with it they hold this rank's share of the weights, sliced from
 the full checkpoint tensor by their loader, and run the collective their split needs; without it, everything.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from research_lm.models.base import default_weight_loader, set_weight_loader
 from research_lm.ops import apply_rotary, rms_norm_ref, rope_cos_sin, silu_and_mul_ref, use_fused
-from research_lm.parallel import TensorParallel, split_size
+from research_lm.worker.parallel import TensorParallel, split_size
 
 
 class RMSNorm(nn.Module):

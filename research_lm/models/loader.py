@@ -17,7 +17,7 @@ from torch import nn
 
 from research_lm.models.base import CheckpointError, ModelBuildContext
 from research_lm.models.registry import resolve_architecture
-from research_lm.parallel import TensorParallel
+from research_lm.worker.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -21,7 +21,7 @@ from research_lm.models.registry import register_model
 from research_lm.moe.config import MoeOptions
 from research_lm.moe.layer import MoeBlock
 from research_lm.moe.router import RouterConfig
-from research_lm.parallel import TensorParallel
+from research_lm.worker.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

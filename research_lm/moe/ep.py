@@ -2,7 +2,7 @@ r"""Expert parallelism (EP) over torch.distributed: rank r of R holds physical s
 
 Two ways in, one all-to-all:
 
-  engine EP (`eplb.expert_parallel`, launched with torchrun; research_lm.distributed builds the group):
+  engine EP (`eplb.expert_parallel`, launched with torchrun; research_lm.engine.distributed builds the group):
       attention replicated, experts sharded; token shards for the all-to-all. Every rank runs the same
       requests through the same schedule, so every MoE layer sees the same T tokens on every rank and
       routes them alike. Rank r dispatches only its contiguous shard [r * c, (r + 1) * c), c = ceil(T / R)

@@ -5,7 +5,7 @@ the race, the output scatter), each ~10-15 µs of launch time on the host of the
 that was ~0.5 ms of every temperature-1 verify step, about as long as the whole greedy step's verify
 (PERFORMANCE.md, tenth pass).
 
-The rule and the numbers are the torch path's (research_lm/rejection_sampler.py, the reference), token for token:
+The rule and the numbers are the torch path's (research_lm/worker/rejection_sampler.py, the reference), token for token:
 - draft j of request i passes when u[i, j] * q(x) < p(x) (float32; q = 1 without draft probs), or, for a greedy
   request, when it is the argmax of its target row; n_acc is the leading run of passes;
 - the extra token races (`research_lm.ops.exponential_race`'s noise, IEEE division, torch's argmax rule) over

@@ -2,7 +2,7 @@
 
 Why: the host never needs a token value that is still in flight on the device. Each request owns a stable row r of
 `token_ids` [R, W] (prompt, outputs, then the drafts its next step verifies) with `num_tokens` [R] and `num_computed`
-[R] beside it (research_lm/request_state.py). The host stages only each request's row and its query start; these
+[R] beside it (research_lm/worker/request_state.py). The host stages only each request's row and its query start; these
 kernels read every token and position from the tables, so a step launched before the previous one's tokens reached the
 host reads the right values, whatever the host guessed about its accepted drafts.
 

@@ -8,7 +8,7 @@ import torch
 
 from attention_zoo import AttentionSpec, select_backend
 from attention_zoo.registry import auto_backend
-from research_lm.config import EngineConfig
+from research_lm.api.config import EngineConfig
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # capabilities are data: no GPU needed to ask
 

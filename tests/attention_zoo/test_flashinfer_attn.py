@@ -341,8 +341,8 @@ class _GraphedLayers:
     serves it, as the runner does, and returns every row of each layer's output (padding rows included)."""
 
     def __init__(self, spec: AttentionSpec, dtype: torch.dtype, num_blocks: int = 64, max_blocks: int = 8):
-        from research_lm.buffers import StepBuffers
-        from research_lm.cuda_graphs import DecodeGraphs
+        from research_lm.worker.buffers import StepBuffers
+        from research_lm.worker.cuda_graphs import DecodeGraphs
 
         cuda, rows = torch.device("cuda"), 16
         self.specs = [spec, dataclasses.replace(spec, sliding_window=5)]
@@ -497,7 +497,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 def _generate(llm, prompts, max_tokens: list[int], logprobs: int | None = None):
     """Greedy completions, and the (B, q) of every graph replay."""
     from research_lm import SamplingParams
-    from research_lm.cuda_graphs import DecodeGraphs
+    from research_lm.worker.cuda_graphs import DecodeGraphs
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in max_tokens]
     graphs, keys = llm.engine.runner.cuda_graphs, []

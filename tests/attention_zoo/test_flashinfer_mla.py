@@ -28,8 +28,8 @@ from attention_zoo.base import AttentionSpec
 from attention_zoo.flashinfer_mla import FlashInferMLABackend, decode_pages, graph_pages
 from attention_zoo.metadata import CommonAttentionMetadata
 from attention_zoo.mla import MLASpec
-from research_lm.buffers import StepBuffers
-from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_metadata, pad_step_inputs
+from research_lm.worker.buffers import StepBuffers
+from research_lm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, graph_metadata, pad_step_inputs
 from tests.attention_zoo.test_mla import MLACase, make_mla_case, run_mla_backend
 from tests.utils import assert_greedy_agrees_up_to_near_ties
 
@@ -454,7 +454,7 @@ def test_graph_plumbing_with_flashinfer_stood_in_by_torch(monkeypatch):
     each wrapper once, before the forward, from the step's own lengths (the stand-in attends by its last plan)."""
     import types
 
-    from research_lm.cuda_graphs import eager_capture
+    from research_lm.worker.cuda_graphs import eager_capture
 
     monkeypatch.setattr(flashinfer_mla, "WORKSPACE_BYTES", 16)
     monkeypatch.setattr(FlashInferMLABackend, "_workspaces", {})

@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attention_zoo.registry import get_backend  # noqa: E402
-from research_lm.buffers import StepBuffers  # noqa: E402
-from research_lm.cuda_graphs import eager_capture, graph_metadata, pad_step_inputs  # noqa: E402
+from research_lm.worker.buffers import StepBuffers  # noqa: E402
+from research_lm.worker.cuda_graphs import eager_capture, graph_metadata, pad_step_inputs  # noqa: E402
 from tests.attention_zoo.mamba_cases import make_mamba_case, run_mamba_backend  # noqa: E402
 
 ON_CPU = not torch.cuda.is_available()
@@ -80,7 +80,7 @@ def test_groups_limits_and_no_conv_bias():
 
 class GraphRecord:
     """A graph of B requests x q tokens over persistent step buffers, as `DecodeGraphs` records and replays it
-    (research_lm/cuda_graphs.py): the capture's padded shape, then each step written into the same buffers,
+    (research_lm/worker/cuda_graphs.py): the capture's padded shape, then each step written into the same buffers,
     padded the runner's way."""
 
     def __init__(self, b: int, q: int):

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 from attention_zoo import CommonAttentionMetadata, get_backend  # noqa: E402
 from attention_zoo.mla import write_latent as ref_write_latent  # noqa: E402
 from attention_zoo.triton_kernels.mla_decode import merge_splits, write_latent  # noqa: E402
-from research_lm.cuda_graphs import eager_capture  # noqa: E402
+from research_lm.worker.cuda_graphs import eager_capture  # noqa: E402
 from tests.attention_zoo.test_mla import MIXED, MLACase, dense_oracle, make_mla_case, run_mla_backend  # noqa: E402
 
 ON_CPU = not torch.cuda.is_available()
@@ -372,7 +372,7 @@ GPU_GRAPH_CASES = {  # DeepSeek shapes, contexts long enough for the split-KV pl
 def test_real_graph_replays_deepseek_shapes_bf16_on_gpu(name):
     """`cuda_graph_capture` records the forward once (128 heads, latent 512 + rope 64, pages of 16, bf16, the split
     count of max_model_len 4096); replays for steps of fewer requests and other lengths match the reference."""
-    from research_lm.cuda_graphs import cuda_graph_capture
+    from research_lm.worker.cuda_graphs import cuda_graph_capture
 
     _needs_cuda()
     b, q, steps = GPU_GRAPH_CASES[name]

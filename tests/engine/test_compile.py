@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import research_lm.compilation as compilation
+import research_lm.worker.compilation as compilation
 from research_lm import LLM, SamplingParams
-from research_lm.cuda_graphs import DecodeGraphs, eager_capture
+from research_lm.worker.cuda_graphs import DecodeGraphs, eager_capture
 
 KNOBS = dict(dtype="float32", attention_backend="triton", block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
              num_gpu_blocks=24, max_model_len=48)

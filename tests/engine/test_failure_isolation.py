@@ -14,11 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from research_lm import LLM, SamplingParams
-from research_lm.kv_cache import KVCacheManager
-from research_lm.request import Request
-from research_lm.runner import ModelRunner
-from research_lm.sampler import SamplingBatch, SamplingRow
-from research_lm.scheduler import Scheduler
+from research_lm.engine.kv_cache import KVCacheManager
+from research_lm.engine.request import Request
+from research_lm.engine.scheduler import Scheduler
+from research_lm.worker.runner import ModelRunner
+from research_lm.worker.sampler import SamplingBatch, SamplingRow
 from tests.test_kv_cache import assert_kv_invariants
 from tests.test_scheduler import _PROPERTY, FakeRunner, check_step, reference_output, workloads
 
@@ -67,7 +67,7 @@ def _inject(monkeypatch, llm: LLM, where: str, fails=_is_bad) -> None:
 
         monkeypatch.setattr(scheduler, "schedule", failing_schedule)
     elif where == "inputs":
-        import research_lm.runner as runner_module
+        import research_lm.worker.runner as runner_module
 
         prepare = runner_module.prepare_step_inputs
         monkeypatch.setattr(runner_module, "prepare_step_inputs", lambda buf, state, scheduled, *a: check(

@@ -14,7 +14,7 @@ import yaml
 
 from research_lm import LLM, SamplingParams
 from research_lm.eplb.settings import EplbSettings
-from research_lm.spec import _METHOD_KEYS, check_speculative_config
+from research_lm.worker.spec import _METHOD_KEYS, check_speculative_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 NAN, INF = math.nan, math.inf
@@ -180,7 +180,7 @@ def test_llm_still_generates_after_a_bad_request():
 
 
 def test_a_value_of_the_wrong_type_is_both_a_type_error_and_a_value_error():
-    from research_lm.config import EngineConfig
+    from research_lm.api.config import EngineConfig
 
     for build in (lambda: SamplingParams(seed="abc"), lambda: SamplingParams(logprobs=2.5),
                   lambda: EngineConfig(max_num_seqs="abc")):

@@ -40,7 +40,7 @@ def test_ngram_greedy_identical_under_pressure(tiny_checkpoint):
 def test_greedy_verification_skips_the_rejection_sampler_and_agrees_with_it(tiny_checkpoint, monkeypatch):
     """An all-greedy verify step takes the argmax rule directly; a batch with a sampling or penalised request
     goes through the rejection sampler. The greedy requests' tokens are the same either way."""
-    import research_lm.verification as verification_module
+    import research_lm.worker.verification as verification_module
 
     path = str(tiny_checkpoint("llama"))
     knobs = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=6,

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from research_lm import LLM, SamplingParams
-from research_lm.metrics import spec_phase_stats
-from research_lm.report import Job, metric_columns
+from research_lm.engine.metrics import spec_phase_stats
+from research_lm.harness.report import Job, metric_columns
 
 PHASE_KEYS = ("draft_ms_per_step_median", "verify_ms_per_step_median", "draft_fraction")
 KNOBS = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from research_lm import LLM, SamplingParams
-from research_lm.stop_strings import StopStrings
+from research_lm.engine.stop_strings import StopStrings
 
 PROMPT = "def add(a, b):\n    return"
 FREE = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -123,7 +123,7 @@ def test_a_model_without_tokenizer_rejects_stop_strings_alone(monkeypatch):
 
 def test_window_check_matches_a_full_decode(llm):
     """The windowed check finds exactly what searching the whole decoded text token by token finds."""
-    from research_lm.request import Request
+    from research_lm.engine.request import Request
 
     tok = llm.get_tokenizer()
     ids = tok.encode("print('héllo wörld') # done\n\tx = [1, 2, 3]\n" * 3)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from research_lm.experiment import serve
-from research_lm.workloads import WorkloadSpec, arrival_times, build_workload
+from research_lm.harness.experiment import serve
+from research_lm.harness.workloads import WorkloadSpec, arrival_times, build_workload
 
 
 def test_poisson_arrivals_increase_at_the_requested_mean_rate():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from research_lm.experiment import baseline_config
+from research_lm.harness.experiment import baseline_config
 
 from .conftest import CONF_DIR
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from research_lm.env_info import command_line
+from research_lm.harness.env_info import command_line
 
 from .conftest import REPO
 
@@ -13,9 +13,9 @@ def test_module_runs_are_recorded_as_python_dash_m():
     typed = ["/work/venv/bin/python3", "-m", "research_lm", "experiment=eagle3", "workload.input_len=[128,128]"]
     argv = [MAIN, "experiment=eagle3", "workload.input_len=[128,128]"]
     assert command_line(argv, typed) == "python3 -m research_lm experiment=eagle3 'workload.input_len=[128,128]'"
-    argv = [str(REPO / "research_lm" / "report.py"), "multirun/x"]
-    assert command_line(argv, ["python", "-m", "research_lm.report", "multirun/x"]) == \
-        "python -m research_lm.report multirun/x"
+    argv = [str(REPO / "research_lm" / "harness" / "report.py"), "multirun/x"]
+    assert command_line(argv, ["python", "-m", "research_lm.harness.report", "multirun/x"]) == \
+        "python -m research_lm.harness.report multirun/x"
     paper = str(REPO / "experiments" / "paper" / "__main__.py")  # `experiments` has no __init__.py
     assert command_line([paper, "eplb_policy"], ["python", "-m", "experiments.paper", "eplb_policy"]) == \
         "python -m experiments.paper eplb_policy"
@@ -37,7 +37,7 @@ def test_without_a_matching_orig_argv_the_main_path_becomes_dash_m():
 
 
 def test_env_records_which_packages_differ_from_the_tested_versions(tmp_path):
-    from research_lm.env_info import CONSTRAINTS, environment, lock_differences, locked_versions
+    from research_lm.harness.env_info import CONSTRAINTS, environment, lock_differences, locked_versions
 
     lock = tmp_path / "constraints.txt"
     lock.write_text("# a comment\ntorch==2.15.0\ntriton==3.9.0  # pinned\nnumpy==2.4.6\n")

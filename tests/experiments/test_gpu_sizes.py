@@ -6,7 +6,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from research_lm.experiment import apply_gpu_sizes, gpu_entries
+from research_lm.harness.experiment import apply_gpu_sizes, gpu_entries
 
 from .conftest import CONF_DIR, PRESETS
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from research_lm.experiment import AcceptanceMetrics, leviathan_tau
+from research_lm.harness.experiment import AcceptanceMetrics, leviathan_tau
 
 
 def test_formula():

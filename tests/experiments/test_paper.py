@@ -7,7 +7,15 @@ import json
 import pytest
 
 import experiments.paper as paper
-from research_lm.report import Cell, aggregate_records, build_report, collect, fmt_spread, group_repeats, swept_keys
+from research_lm.harness.report import (
+    Cell,
+    aggregate_records,
+    build_report,
+    collect,
+    fmt_spread,
+    group_repeats,
+    swept_keys,
+)
 
 from .conftest import REPO, run_module
 

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from research_lm.experiment import TASKS
+from research_lm.harness.experiment import TASKS
 
 from .conftest import CONF_DIR, PRESETS, run_cli
 
@@ -117,7 +117,7 @@ def test_eplb_ablation_replays_every_policy_with_a_plot(preset_runs):
 
 
 def test_report_over_the_presets(preset_runs):
-    from research_lm.report import build_report
+    from research_lm.harness.report import build_report
 
     text = build_report(preset_runs["_sweep"]).read_text()
     assert "| job | `experiment` |" in text and "## EPLB replay" in text

@@ -1,11 +1,11 @@
-"""Runs record what reproducing them needs; `research_lm.reproduce` re-runs one and compares outputs."""
+"""Runs record what reproducing them needs; `research_lm.harness.reproduce` re-runs one and compares outputs."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
-from research_lm.reproduce import compare
+from research_lm.harness.reproduce import compare
 
 from .conftest import run_cli, run_module
 
@@ -28,7 +28,7 @@ def test_reproduce_gives_identical_cpu_outputs(tmp_path):
     assert all(s["token_ids"] for s in samples)
 
     again = tmp_path / "again"
-    proc = run_module("research_lm.reproduce", str(run), "--out", str(again), "--logger", "none", cwd=tmp_path)
+    proc = run_module("research_lm.harness.reproduce", str(run), "--out", str(again), "--logger", "none", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "IDENTICAL" in proc.stdout and "3/3 requests identical" in proc.stdout
     report = json.loads((again / "reproduce.json").read_text())
@@ -47,5 +47,5 @@ def test_reproduce_gives_identical_cpu_outputs(tmp_path):
 
 
 def test_reproduce_refuses_a_directory_that_is_not_a_run(tmp_path):
-    proc = run_module("research_lm.reproduce", str(tmp_path), cwd=tmp_path)
+    proc = run_module("research_lm.harness.reproduce", str(tmp_path), cwd=tmp_path)
     assert proc.returncode == 2 and "no results.json" in proc.stderr and "Traceback" not in proc.stderr

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from research_lm import experiment
 from research_lm.assets import ASSETS, SHIPPED_HEADS, shipped_head
-from research_lm.experiment import TASKS, quick_head_note, speculation_note, with_spec_head
-from research_lm.report import build_report, describe_head
+from research_lm.harness import experiment
+from research_lm.harness.experiment import TASKS, quick_head_note, speculation_note, with_spec_head
+from research_lm.harness.report import build_report, describe_head
 
 from .conftest import CONF_DIR
 

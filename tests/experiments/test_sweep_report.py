@@ -7,7 +7,7 @@ import json
 import yaml
 from hydra import compose, initialize_config_dir
 
-from research_lm.report import build_report, collect, swept_keys
+from research_lm.harness.report import build_report, collect, swept_keys
 
 from .conftest import CONF_DIR, run_cli, run_module
 
@@ -39,7 +39,7 @@ def test_2x2_multirun_with_wandb_groups_and_a_report(tmp_path):
         assert json.loads((job / "results.json").read_text())["reproducibility"]["sweep_group"] == "my-sweep"
     assert "wandb sync" in proc.stdout
 
-    report = run_module("research_lm.report", str(sweep), cwd=tmp_path)
+    report = run_module("research_lm.harness.report", str(sweep), cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     text = (sweep / "report.md").read_text()
     # quickstart drafts with the EAGLE-3 head shipped for tiny-llama: the head column says so on every job's row
@@ -68,7 +68,7 @@ def test_report_of_a_single_run_and_of_nothing(tmp_path):
     assert (run / "report_output_throughput_tok_s.png").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = run_module("research_lm.report", str(empty), cwd=tmp_path)
+    proc = run_module("research_lm.harness.report", str(empty), cwd=tmp_path)
     assert proc.returncode == 2 and "no results.json" in proc.stderr
 
 

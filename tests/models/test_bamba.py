@@ -12,7 +12,7 @@ import torch
 from attention_zoo import Attention
 from attention_zoo.mamba import MambaMixer
 from research_lm.models import load_model
-from research_lm.runner import ModelRunner
+from research_lm.worker.runner import ModelRunner
 from tests.models.stateful import engine_greedy_matches_transformers
 from tests.utils import PagedBatch
 

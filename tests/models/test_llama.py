@@ -11,7 +11,7 @@ import torch
 
 from attention_zoo import Attention
 from research_lm.models import load_model
-from research_lm.taps import HiddenStateTaps
+from research_lm.worker.taps import HiddenStateTaps
 from tests.conftest import SLIDING_WINDOW
 from tests.utils import PagedBatch, forward_prefill, greedy_decode
 

@@ -122,7 +122,7 @@ def test_engine_greedy_matches_transformers_under_pressure(tiny_checkpoint, hf_m
 def test_prefix_caching_is_turned_off_with_a_warning(tiny_checkpoint, hf_model, caplog):
     """A cached prefix restores KV blocks, not the recurrent state: the engine disables prefix caching
     (default on) and says so; shared-prefix prompts still generate exactly."""
-    with caplog.at_level(logging.WARNING, logger="research_lm.engine"):
+    with caplog.at_level(logging.WARNING, logger="research_lm.engine.llm_engine"):
         llm = LLM(str(tiny_checkpoint(NAME)), dtype="float32", device="cpu", block_size=4)
     assert "prefix caching is disabled" in caplog.text and "Mamba" in caplog.text
     assert llm.engine.kv_cache.enable_prefix_caching is False

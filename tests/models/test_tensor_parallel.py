@@ -1,4 +1,4 @@
-"""Tensor parallelism (research_lm/parallel.py, research_lm/distributed.py): `LLM(..., tensor_parallel_size=N)` on N
+"""Tensor parallelism (worker/parallel.py, engine/distributed.py): `LLM(..., tensor_parallel_size=N)` on N
 gloo processes (2 and 4, on CPU) generates the single-process run's greedy tokens for Llama (2 KV heads: replicated
 at N = 4), Qwen3 (q/k norms, async scheduling), Mixtral (experts sharded over the ranks), DeepSeek-V2 (MLA: heads
 split, latent replicated; and its MoE variant), Qwen2-MoE (a dense layer, a gated shared expert), speculative runs
@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from research_lm import LLM, SamplingParams
-from research_lm.cuda_graphs import eager_capture
+from research_lm.worker.cuda_graphs import eager_capture
 from tests.spec_decode.test_spec_formats import V, eagle3_tensors, write_eagle3
 
 MARGIN = 1e-3  # the smallest top-1 lead over the runner-up the reference may show; fp32 reduction noise is ~1e-6

@@ -18,8 +18,8 @@ import torch
 import torch.multiprocessing as mp
 
 from research_lm import LLM, EngineConfig, SamplingParams
-from research_lm.distributed import setup_ranks
-from research_lm.parallel import RankLostError, guarded
+from research_lm.engine.distributed import setup_ranks
+from research_lm.worker.parallel import RankLostError, guarded
 from tests.models.test_tensor_parallel import _free_port
 
 KNOBS = dict(device="cpu", dtype="float32", block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
@@ -51,8 +51,8 @@ def test_expert_parallel_ranks_are_the_tensor_parallel_ranks(monkeypatch):
 def test_the_cli_passes_tensor_parallel_size():
     from hydra import compose, initialize_config_dir
 
-    from research_lm.cli_checks import check_config
-    from research_lm.experiment import engine_config
+    from research_lm.harness.cli_checks import check_config
+    from research_lm.harness.experiment import engine_config
     from tests.experiments.conftest import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

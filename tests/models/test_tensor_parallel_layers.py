@@ -20,7 +20,7 @@ from research_lm.models.layers import (
     VocabParallelEmbedding,
     compute_logits,
 )
-from research_lm.parallel import TensorParallel
+from research_lm.worker.parallel import TensorParallel
 
 H = 16
 

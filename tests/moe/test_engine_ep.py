@@ -1,4 +1,4 @@
-"""Engine-level expert parallelism (research_lm.distributed): `LLM` on 2 ranks (gloo on CPU; NCCL on 2 GPUs),
+"""Engine-level expert parallelism (research_lm.engine.distributed): `LLM` on 2 ranks (gloo on CPU; NCCL on 2 GPUs),
 each holding only its half of every MoE layer's slots, generates the single-process run's greedy tokens
 through rebalances that send experts between ranks, one layer a step (chunked moves), with least-loaded
 dispatch among replicas (`lplb`), the single-process run's placements, EPLB metrics and load trace; the
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from research_lm import LLM, SamplingParams
-from research_lm.distributed import setup_expert_parallel
+from research_lm.engine.distributed import setup_expert_parallel
 from research_lm.eplb import get_policy, load_trace
 from research_lm.eplb.controller import moe_layers
 from research_lm.eplb.dispatch import least_loaded

@@ -16,9 +16,9 @@ import triton.language as tl
 
 import research_lm.ops
 import research_lm.ops.exponential_race as race_mod
-from research_lm import rng
 from research_lm.ops.exponential_race import exponential_noise, exponential_race, uniform53
-from research_lm.sampler import random_sample
+from research_lm.worker import rng
+from research_lm.worker.sampler import random_sample
 from tests.ops.cases import device
 
 

@@ -14,7 +14,7 @@ import torch
 
 import research_lm.ops
 import research_lm.ops.rejection_kernel as kernel_mod
-from research_lm.rejection_sampler import rejection_sample
+from research_lm.worker.rejection_sampler import rejection_sample
 
 V = 37
 

@@ -3,7 +3,7 @@ the device (the runner never waits for them; a test may)."""
 
 from __future__ import annotations
 
-from research_lm.spec import Drafts, StepOutcome
+from research_lm.worker.spec import Drafts, StepOutcome
 
 
 def draft_values(outcome: StepOutcome, drafts: Drafts) -> dict[str, list[int]]:

@@ -17,7 +17,7 @@ import torch
 
 import research_lm.ops
 from research_lm import LLM, SamplingParams
-from research_lm.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
+from research_lm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 from tests.spec_decode.spying import draft_values
 from tests.spec_decode.test_draft_model import _variant

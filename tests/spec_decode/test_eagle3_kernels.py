@@ -10,9 +10,9 @@ import torch
 
 import research_lm.ops
 from research_lm import SamplingParams
-from research_lm.cuda_graphs import eager_capture
 from research_lm.ops import rms_norm_ref
 from research_lm.ops.rms_norm import rms_norm
+from research_lm.worker.cuda_graphs import eager_capture
 from spec_decode import eagle3_kernels
 from spec_decode.eagle3_kernels import argmax_gather, eagle3_input
 from tests.ops.cases import assert_matches, device

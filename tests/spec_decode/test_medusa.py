@@ -118,7 +118,7 @@ def test_stacked_heads_compute_what_the_heads_compute_one_by_one(tmp_path):
 def test_independent_drafts_in_one_batch_equal_drafts_picked_one_at_a_time():
     """Medusa's sampled drafts (`Drafting.add_independent`): one `pick_tokens` batch over every (request, draft) row
     gives the tokens and q that `add` gives draft by draft, for seeded and greedy rows and uneven budgets."""
-    from research_lm.request import Request
+    from research_lm.engine.request import Request
     from spec_decode.heads import start_drafting
 
     def requests():

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from research_lm.request import Request
-from research_lm.sampling_params import SamplingParams
-from research_lm.spec import StepOutcome, TokenTable
+from research_lm.api.sampling_params import SamplingParams
+from research_lm.engine.request import Request
+from research_lm.worker.spec import StepOutcome, TokenTable
 from spec_decode.ngram import NgramProposer, build_proposer
 
 

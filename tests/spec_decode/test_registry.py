@@ -11,7 +11,7 @@ import pytest
 
 import research_lm
 from research_lm import LLM, SamplingParams
-from research_lm.spec import (
+from research_lm.worker.spec import (
     _METHOD_KEYS,
     PROPOSERS,
     Drafts,

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from research_lm import LLM, SamplingParams
 from research_lm.models import CheckpointError
-from research_lm.spec import speculative_method
+from research_lm.worker.spec import speculative_method
 from tests.conftest import TINY_SHAPE
 
 H, V = TINY_SHAPE["hidden_size"], TINY_SHAPE["vocab_size"]

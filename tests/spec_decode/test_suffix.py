@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from research_lm import LLM, SamplingParams
-from research_lm.request import Request, RequestStatus
-from research_lm.spec import StepOutcome, check_speculative_config
+from research_lm.engine.request import Request, RequestStatus
+from research_lm.worker.spec import StepOutcome, check_speculative_config
 from spec_decode.suffix import CachedOutputsTree, SuffixTree, build_proposer
 from tests.engine.test_spec_greedy_identity import _repetitive_prompts
 

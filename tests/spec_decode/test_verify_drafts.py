@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from research_lm.outputs import ScheduledRequest
-from research_lm.request import Request
-from research_lm.sampler import SamplingBatch, SamplingRow, plain_greedy
-from research_lm.sampling_params import SamplingParams
-from research_lm.verification import verify_drafts
+from research_lm.api.outputs import ScheduledRequest
+from research_lm.api.sampling_params import SamplingParams
+from research_lm.engine.request import Request
+from research_lm.worker.sampler import SamplingBatch, SamplingRow, plain_greedy
+from research_lm.worker.verification import verify_drafts
 
 VOCAB, K = 11, 3
 

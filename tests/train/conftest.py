@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from research_lm.train import TrainConfig, train_target
+from research_lm.harness.train import TrainConfig, train_target
 
 TINY_TARGET = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                    num_key_value_heads=1)

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from research_lm import LLM, SamplingParams
-from research_lm.train import TrainConfig, train_head
-from research_lm.train.eagle3 import default_aux_layers, draft_vocab_maps
-from research_lm.train.layers import ttt_attention
+from research_lm.harness.train import TrainConfig, train_head
+from research_lm.harness.train.eagle3 import default_aux_layers, draft_vocab_maps
+from research_lm.harness.train.layers import ttt_attention
 from tests.spec_decode.spying import context, draft_values
 from tests.train.conftest import VOCAB, Crash, CrashAt
 
@@ -112,12 +112,12 @@ def test_spec_decode_loads_what_we_write(heads, tiny_target, method):
 def _training_draft_logits(method: str, head_dir, target, ids: torch.Tensor) -> list[torch.Tensor]:
     """What training scores, per draft position j the head guesses from teacher-forced context: [T, vocab]
     logits whose row t is the guess of token t+2+j (EAGLE / EAGLE-3: j = 0 only; Medusa: one per head).
-    Mirrors the objectives' forward passes (research_lm/train/{eagle,eagle3,medusa}.py), loaded from the
+    Mirrors the objectives' forward passes (research_lm/harness/train/{eagle,eagle3,medusa}.py), loaded from the
     written checkpoint; ids: [1, T]."""
-    from research_lm.train.eagle import EagleObjective
-    from research_lm.train.eagle3 import Eagle3Objective
-    from research_lm.train.layers import rope_cos_sin
-    from research_lm.train.medusa import MedusaObjective
+    from research_lm.harness.train.eagle import EagleObjective
+    from research_lm.harness.train.eagle3 import Eagle3Objective
+    from research_lm.harness.train.layers import rope_cos_sin
+    from research_lm.harness.train.medusa import MedusaObjective
 
     t = ids.shape[1]
     if method == "medusa":
@@ -168,7 +168,7 @@ def test_inference_drafts_are_the_training_time_argmax(heads, tiny_target, metho
     argmax that training scores for the same context: same feature (post-norm / aux streams), same
     token-feature pairing, positions, d2t and head offsets. Greedy identity alone cannot catch a
     misalignment (the target corrects every bad draft); acceptance would just drop."""
-    from research_lm.train.teacher import FrozenTarget
+    from research_lm.harness.train.teacher import FrozenTarget
 
     target = FrozenTarget(tiny_target, torch.device("cpu"))
     head_dir = _scrambled(heads[method], tmp_path / method, float(target.embed_weight.std()))

@@ -11,12 +11,19 @@ import pytest
 import torch
 
 from research_lm import LLM, SamplingParams
-from research_lm.corpus import corpus_hash, stdlib_files
 from research_lm.eplb.trace import TRACE_FORMAT, load_trace
-from research_lm.train.config import TrainConfig
-from research_lm.train.moe import ARCHITECTURES, MoeLMObjective, build_moe, expert_load_ratio, moe_config, train_moe
-from research_lm.train.moe_traces import record_trace
-from research_lm.workloads import WorkloadSpec
+from research_lm.harness.corpus import corpus_hash, stdlib_files
+from research_lm.harness.train.config import TrainConfig
+from research_lm.harness.train.moe import (
+    ARCHITECTURES,
+    MoeLMObjective,
+    build_moe,
+    expert_load_ratio,
+    moe_config,
+    train_moe,
+)
+from research_lm.harness.train.moe_traces import record_trace
+from research_lm.harness.workloads import WorkloadSpec
 
 TINY_MOE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip

@@ -10,8 +10,8 @@ import torch
 
 import experiments.paper as paper
 from research_lm.eplb.trace import load_trace
-from research_lm.train import routing_stats as rs
-from research_lm.train.moe_traces import SHIPPED_TRACES, TRACE_KINDS, shipped_trace
+from research_lm.harness.train import routing_stats as rs
+from research_lm.harness.train.moe_traces import SHIPPED_TRACES, TRACE_KINDS, shipped_trace
 
 VARIANTS = ("qwen2_moe", "qwen3_moe")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from research_lm.train import TrainConfig, train_head
-from research_lm.train.data import PackedData, load_corpus
-from research_lm.train.regenerate import regenerate_windows
+from research_lm.harness.train import TrainConfig, train_head
+from research_lm.harness.train.data import PackedData, load_corpus
+from research_lm.harness.train.regenerate import regenerate_windows
 
 
 def _data(tiny_target, train_kwargs) -> PackedData:

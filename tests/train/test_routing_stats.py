@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from research_lm.train import routing_stats as rs
+from research_lm.harness.train import routing_stats as rs
 
 
 def test_balanced_and_one_expert_extremes():

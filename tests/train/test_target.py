@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from research_lm import LLM, SamplingParams
-from research_lm.corpus import corpus_hash, stdlib_files
-from research_lm.train import TrainConfig, train_target
-from research_lm.train.data import Corpus, PackedData
-from research_lm.train.loop import lr_at
+from research_lm.harness.corpus import corpus_hash, stdlib_files
+from research_lm.harness.train import TrainConfig, train_target
+from research_lm.harness.train.data import Corpus, PackedData
+from research_lm.harness.train.loop import lr_at
 from tests.train.conftest import TINY_TARGET, VOCAB, Crash, CrashAt
 
 

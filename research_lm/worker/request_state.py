@@ -1,0 +1,113 @@
+"""Per-request state in persistent device tables, indexed by a stable row (the design of vLLM's model runner V2).
+
+A request's known tokens are written once, when it takes a row (admission, or again after a preemption, when the
+host knows every token). From then on only the device writes the row: each step appends the tokens it emitted and
+advances `num_computed` (`research_lm.ops.step_inputs.advance_rows`), and a proposer writes the drafts of the next
+step right after the tokens. A step's inputs are gathered from here (`gather_step_inputs`), so the host stages only
+counts (each request's row and query length) and never waits for a value still in flight: async scheduling, drafts
+left on the device and deferred verification are the same mechanism, not three stand-ins.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from research_lm.engine.request import Request
+from research_lm.ops import FUSED_DEVICE_TYPES
+from research_lm.ops.reference import advance_rows_ref, write_drafts_ref
+
+
+class RequestRows:
+    """Stable row per live request in the persistent state tables (tokens, block table, Mamba state slots)."""
+
+    def __init__(self, max_num_reqs: int):
+        self.free = list(range(max_num_reqs - 1, -1, -1))
+        self.row_of: dict[str, int] = {}
+
+    def add(self, req_id: str) -> tuple[int, bool]:
+        """The request's row, and whether it just took it."""
+        row = self.row_of.get(req_id)
+        if row is not None:
+            return row, False
+        row = self.row_of[req_id] = self.free.pop()
+        return row, True
+
+    def remove(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            row = self.row_of.pop(req_id, None)
+            if row is not None:
+                self.free.append(row)
+
+
+class RequestState:
+    """The device tables of every live request, and the host's record of each row's prompt length."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_drafts: int, device: torch.device):
+        # Columns: prompt + outputs (< max_model_len), then up to max_drafts drafts, then one spare that an append of
+        # a verify step's k + 1 tokens at the very end may reach.
+        self.width = max_model_len + max_drafts + 1
+        self.device = device
+        self.rows = RequestRows(max_num_reqs)
+        self.token_ids = torch.zeros(max_num_reqs, self.width, dtype=torch.int32, device=device)  # [R, W]
+        self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [R] prompt + outputs held
+        self.num_computed = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [R] KV in the cache
+        self.num_drafts = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [R] real drafts held
+        self.prompt_lens = np.zeros(max_num_reqs, dtype=np.int64)  # host: what penalties count as outputs
+        self._new: list[tuple[int, Request]] = []
+
+    def row(self, request: Request) -> int:
+        """The request's row; a new row's known tokens are written by the next `flush`."""
+        row, new = self.rows.add(request.request_id)
+        if new:
+            assert not request.num_output_placeholders, "a request takes a row only when the host knows its tokens"
+            self.prompt_lens[row] = request.num_prompt_tokens
+            self._new.append((row, request))
+        return row
+
+    def remove(self, req_ids: set[str]) -> None:
+        self.rows.remove(req_ids)
+
+    def clear(self) -> None:
+        self.rows.remove(set(self.rows.row_of))
+        self._new.clear()
+
+    def flush(self) -> None:
+        """Write the rows taken since the last flush: their known tokens, counts and computed prefix (one copy)."""
+        if not self._new:
+            return
+        news, self._new = self._new, []
+        lens = np.fromiter((r.num_known_tokens for _, r in news), dtype=np.int64, count=len(news))
+        rows = np.fromiter((row for row, _ in news), dtype=np.int64, count=len(news))
+        flat = np.concatenate([np.asarray(r.prompt_token_ids + r.output_token_ids, dtype=np.int64) for _, r in news])
+        index = np.repeat(rows * self.width, lens) + (np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens))
+        computed = np.fromiter((r.num_computed_tokens for _, r in news), dtype=np.int64, count=len(news))
+        host = torch.from_numpy(np.concatenate([index, flat, rows, lens, computed]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        up = host.to(self.device, non_blocking=True)
+        t, n = len(flat), len(news)
+        index_t, flat_t, rows_t, lens_t, computed_t = up.split([t, t, n, n, n])
+        self.token_ids.view(-1).index_copy_(0, index_t, flat_t.to(torch.int32))
+        self.num_tokens.index_copy_(0, rows_t, lens_t.to(torch.int32))
+        self.num_computed.index_copy_(0, rows_t, computed_t.to(torch.int32))
+        self.num_drafts.index_fill_(0, rows_t, 0)
+
+    def advance(self, rows: torch.Tensor, delta: torch.Tensor, emitted: torch.Tensor, num_emitted: torch.Tensor
+                ) -> None:
+        """Fold a step into the tables: request i (table row rows[i]) appends emitted[i, :num_emitted[i]] and
+        `num_computed` gains delta[i] (its tokens less its draft slots) plus the drafts it accepted."""
+        if self.device.type in FUSED_DEVICE_TYPES:
+            from research_lm.ops.step_inputs import advance_rows
+        else:
+            advance_rows = advance_rows_ref
+        advance_rows(self.token_ids, self.num_tokens, self.num_computed, rows, delta, emitted, num_emitted)
+
+    def write_drafts(self, rows: torch.Tensor, drafts: torch.Tensor, num: torch.Tensor) -> None:
+        """The drafts [n, k] of rows [n] right after their tokens; num [n]: how many are real."""
+        if self.device.type in FUSED_DEVICE_TYPES:
+            from research_lm.ops.step_inputs import write_drafts
+        else:
+            write_drafts = write_drafts_ref
+        write_drafts(self.token_ids, self.num_tokens, rows, drafts)
+        self.num_drafts.index_copy_(0, rows.long(), num.to(torch.int32))

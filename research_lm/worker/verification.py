@@ -1,0 +1,92 @@
+"""Verification of a speculative step's drafts, on the device: what each request emits, without a host sync.
+
+The drafts are the step's own input ids (each verifying request's last tokens), and how many of a request's draft
+slots hold real drafts is in the device table (`num_valid`: an n-gram lookup on the device may fill fewer than it
+was given). An all-greedy step without penalties, a min_tokens ban, logit_bias or allowed_token_ids needs each row's
+argmax only (a decode graph's, when it has it): drafts are accepted while they equal it, then it is emitted. Any
+other step goes through the rejection sampler (`research_lm.worker.rejection_sampler`, vLLM's [B, k+1] rule) over the
+processed target distribution. Logprobs, where asked, are the target's raw ones, from the row that emitted each
+token, as plain sampling returns them; they are read at collect, once the host knows what was emitted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from research_lm.api.outputs import ScheduledRequest
+from research_lm.engine.request import Logprob
+from research_lm.worker.rejection_sampler import rejection_sample
+from research_lm.worker.rng import to_device
+from research_lm.worker.sampler import SamplingBatch, compute_probs, gather_logprobs, logprobs_to_dicts
+
+
+def verify_drafts(
+    scheduled: list[ScheduledRequest],
+    sampling: list[int],  # the requests that sample, in batch order
+    query_start_loc: np.ndarray,  # [num_reqs + 1] host
+    logits: torch.Tensor,  # [num_sample_rows, vocab]: request sampling[i]'s d_i + 1 rows, in order
+    greedy_ids: torch.Tensor | None,  # [num_sample_rows] logits.argmax(-1), when the graph computed it
+    input_ids: torch.Tensor,  # [num_tokens] the step's input ids on the device
+    num_valid: torch.Tensor,  # [len(sampling)] int32 on the device: real drafts among each one's slots
+    batch: SamplingBatch | None,  # None: every row plain greedy
+    draft_probs: dict[str, torch.Tensor],  # request id -> [k, vocab] q of its drafts; verified ones are popped
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sampling request: emitted tokens [n_s, k_max + 1] int64 (-1 after the emitted ones), how many [n_s]
+    int32, and its real drafts verified [n_s] int32, all on the device."""
+    device = input_ids.device
+    reqs = [scheduled[i] for i in sampling]
+    n = len(reqs)
+    d = np.fromiter((s.num_spec_tokens for s in reqs), dtype=np.int64, count=n)
+    k_max = int(d.max(initial=0))
+    target_row_t = None  # None: logits row r*(k+1) + j is request r's row j (a uniform step)
+    if n == len(scheduled) and len(input_ids) == n * (k_max + 1) and (d == k_max).all():
+        # Every request runs its newest token and k drafts (a verify graph's step): views, no index to upload.
+        drafts = input_ids.view(n, k_max + 1)[:, 1:]
+        num_real = num_valid.to(torch.int32)  # (never above the k slots the drafter filled)
+    else:
+        j = np.arange(k_max)[None, :]
+        first_row = np.cumsum(d + 1) - (d + 1)  # each request's first logits row
+        ends = query_start_loc[1:][sampling][:, None]  # draft j of a request is its token ends - d + j
+        draft_token = ends - np.maximum(d, 1)[:, None] + np.minimum(j, np.maximum(d[:, None] - 1, 0))  # in range
+        target_row = first_row[:, None] + np.minimum(np.arange(k_max + 1)[None, :], d[:, None])
+        host = np.concatenate([draft_token.reshape(-1), target_row.reshape(-1), d])
+        up = to_device(torch.from_numpy(host), torch.int64, device)
+        draft_token_t, target_row_t, d_t = up.split([n * k_max, n * (k_max + 1), n])
+        drafts = input_ids[draft_token_t].view(n, k_max)
+        num_real = torch.minimum(num_valid.to(torch.int64), d_t).to(torch.int32)
+    q = [draft_probs.pop(s.request.request_id, None) for s in reqs]
+    if batch is None or batch.plain_argmax:
+        target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
+        target = (target if target_row_t is None else target[target_row_t]).view(n, k_max + 1)
+        slots = torch.arange(k_max, device=device)
+        ok = (slots < num_real[:, None]) & (drafts == target[:, :k_max])
+        n_acc = ok.long().cumprod(dim=1).sum(dim=1)
+        emitted = torch.where(torch.arange(k_max + 1, device=device) <= n_acc[:, None], target, -1)
+        return emitted, (n_acc + 1).to(torch.int32), num_real
+    q_cat = None
+    if any(x is not None for x in q) and all(x is not None for x, c in zip(q, d) if c):
+        q_cat = torch.cat([x[:c] for x, c in zip(q, d) if c])
+    emitted = rejection_sample(
+        drafts.contiguous(), compute_probs(logits, batch), q_cat, [s.request.sampling_params.greedy for s in reqs],
+        [s.request.seed for s in reqs], [s.request.num_output_tokens for s in reqs], num_drafts=d.tolist(),
+        num_valid=num_real)
+    return emitted, (emitted >= 0).sum(dim=1).to(torch.int32), num_real
+
+
+def emitted_logprobs(
+    logits: torch.Tensor,  # [num_sample_rows, vocab] raw
+    sample_rows: list[tuple[int, int]],
+    batch: SamplingBatch,
+    emitted: list[list[int]],  # per request of the step
+) -> list[list[dict[int, Logprob]]]:
+    """Row (i, j) emitted token j of request i when the request emitted more than j tokens."""
+    keep = [r for r, (i, j) in enumerate(sample_rows) if j < len(emitted[i])]
+    ids = torch.tensor([emitted[i][j] for i, j in (sample_rows[r] for r in keep)], device=logits.device)
+    rows = torch.tensor(keep, device=logits.device)
+    tensors = gather_logprobs(torch.log_softmax(logits[rows].float(), dim=-1), ids, batch.max_num_logprobs)
+    out: list[list[dict[int, Logprob]]] = [[] for _ in emitted]
+    for r, lp in zip(keep, logprobs_to_dicts(tensors, ids, [batch.num_logprobs[r] for r in keep]), strict=True):
+        if lp is not None:
+            out[sample_rows[r][0]].append(lp)
+    return out
