@@ -53,6 +53,9 @@ class BackendCapabilities:
     # `prepare_replay` plans from the step's lengths on the host (FlashInfer): graphs whose lengths only the
     # device knows (draft chains, a verify step launched before the previous one is verified) cannot use it.
     graphs_plan_on_host: bool = False
+    # The eager path reads the step's lengths on the host (torch references, the MLA prefill split, FlashInfer's
+    # plan). On CUDA those are the host's guesses ahead of an unverified step, so such a step is never launched ahead.
+    eager_plans_on_host: bool = False
 
     def missing(self, spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str | None:
         """A sentence naming what this backend lacks for (spec, device, dtype), or None if it serves it."""

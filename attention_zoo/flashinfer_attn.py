@@ -409,6 +409,7 @@ class FlashInferBackend(AttentionBackend):
         cuda_graphs=True,
         cuda_graphs_multi_token=True,  # the prefill wrapper serves any query lengths <= q under a graph
         graphs_plan_on_host=True,  # prepare_replay plans from the step's host lengths
+        eager_plans_on_host=True,
     )
     # device -> its workspace and wrappers: allocated on the first step on that device, reused by every
     # later step (FlashInfer wants its workspace and plan buffers long-lived, not per step).

@@ -277,6 +277,7 @@ class FlashInferMLABackend(MLABackendBase):
         cuda_graphs=True,
         cuda_graphs_multi_token=True,  # every graph row is a causal decode row; the plan keeps the captured grid
         graphs_plan_on_host=True,  # FlashInfer plans from the step's lengths on the host
+        eager_plans_on_host=True,
     )
     # device -> its workspace and wrappers: allocated on the first step on that device, reused by every
     # later step (FlashInfer wants its workspace and plan buffers long-lived, not per step).

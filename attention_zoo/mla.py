@@ -281,6 +281,7 @@ class MLATorchRefBackend(MLABackendBase):
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         kinds=frozenset({"mla"}),
+        eager_plans_on_host=True,
     )
 
     @classmethod

@@ -142,6 +142,7 @@ class MLATritonBackend(MLABackendBase):
         kinds=frozenset({"mla"}),
         cuda_graphs=True,
         cuda_graphs_multi_token=True,  # every token a causal absorbed row: any query length up to the graph's
+        eager_plans_on_host=True,
     )
 
     @classmethod

@@ -87,6 +87,7 @@ class TorchRefBackend(AttentionBackend):
         kinds=frozenset({"attention"}),
         sliding_window=True,
         cuda_graphs=False,
+        eager_plans_on_host=True,
     )
 
     @classmethod

@@ -146,7 +146,7 @@ def stage_profile(engine, prompts: list[list[int]], steps: int, device: torch.de
     runner, sched = engine.runner, engine.scheduler
     stages = [("schedule", sched, "schedule"), ("prepare_inputs", runner_module, "prepare_step_inputs"),
               ("forward (eager)", runner.model, "forward"), ("forward (graph replay)", runner.cuda_graphs, "replay"),
-              ("logits", runner.model, "compute_logits"), ("sample", runner, "_sample_or_verify"),
+              ("logits", runner.model, "compute_logits"), ("sample", runner_module, "sample_or_verify"),
               ("advance the tables", runner.state, "advance"),
               ("collect (wait for the ids)", runner, "collect"),
               ("update_from_output", sched, "update_from_output"),

@@ -53,6 +53,7 @@ from bench_common import add_repeat_args, cell, env_line, repeats_line, run_tabl
 
 import research_lm.ops
 import research_lm.worker.runner as runner_module
+import research_lm.worker.step_tokens as step_tokens_module
 from research_lm import LLM, SamplingParams
 
 NAME = "bench_spec_host"
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.batch, len(PROMPTS)))]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True, seed=0)
     fused = research_lm.ops.FUSED_DEVICE_TYPES
-    verify, prepare = runner_module.verify_drafts, runner_module.prepare_step_inputs
+    verify, prepare = step_tokens_module.verify_drafts, runner_module.prepare_step_inputs
     for llm in engines.values():  # warm-up: kernels of every shape the measured runs take
         llm.generate(prompts, params, use_tqdm=False)
 
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for run, llm in engines.items():
             timer = timers[run]
             timer.times.clear()
-            runner_module.verify_drafts = timer.wrap("verify", verify)  # module functions: patched per engine
+            step_tokens_module.verify_drafts = timer.wrap("verify", verify)  # module functions: patched per engine
             runner_module.prepare_step_inputs = timer.wrap("prepare", prepare)
             if args.device == "cuda":
                 torch.cuda.synchronize()
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
-            runner_module.verify_drafts, runner_module.prepare_step_inputs = verify, prepare
+            step_tokens_module.verify_drafts, runner_module.prepare_step_inputs = verify, prepare
             research_lm.ops.FUSED_DEVICE_TYPES = fused
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             row = {"run": run, "batch": args.batch, "ms_per_token": seconds * 1e3 / tokens, "tau": _tau(outputs)}

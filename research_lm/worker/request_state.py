@@ -16,6 +16,8 @@ import torch
 from research_lm.engine.request import Request
 from research_lm.ops import FUSED_DEVICE_TYPES
 from research_lm.ops.reference import advance_rows_ref, write_drafts_ref
+from research_lm.worker.rng import to_device
+from research_lm.worker.spec import Drafts
 
 
 class RequestRows:
@@ -103,11 +105,24 @@ class RequestState:
             advance_rows = advance_rows_ref
         advance_rows(self.token_ids, self.num_tokens, self.num_computed, rows, delta, emitted, num_emitted)
 
-    def write_drafts(self, rows: torch.Tensor, drafts: torch.Tensor, num: torch.Tensor) -> None:
-        """The drafts [n, k] of rows [n] right after their tokens; num [n]: how many are real."""
+    def write_drafts(self, rows: torch.Tensor, drafts: Drafts) -> list[int]:
+        """Put the drafts right after their requests' tokens, with how many are real; rows [n]: each of the step's
+        requests' row (the others keep no drafts). The draft slots of each drafted request's next step: a count the
+        host knows (all k where only the device counts the real ones)."""
+        every = drafts.index == list(range(len(rows)))  # (the common case: every request drafted, in order)
+        if not every:
+            self.num_drafts.index_fill_(0, rows.long(), 0)
+        if not drafts.index:
+            return []
+        k = drafts.token_ids.shape[1]
+        num = drafts.num if drafts.num is not None else [k] * len(drafts.index)
+        if not every:
+            rows = rows[to_device(drafts.index, torch.int64, self.device)]
         if self.device.type in FUSED_DEVICE_TYPES:
             from research_lm.ops.step_inputs import write_drafts
         else:
             write_drafts = write_drafts_ref
-        write_drafts(self.token_ids, self.num_tokens, rows, drafts)
-        self.num_drafts.index_copy_(0, rows.long(), num.to(torch.int32))
+        write_drafts(self.token_ids, self.num_tokens, rows, drafts.token_ids.contiguous())
+        real = num if isinstance(num, torch.Tensor) else to_device(num, torch.int32, self.device)
+        self.num_drafts.index_copy_(0, rows.long(), real.to(torch.int32))
+        return num if isinstance(num, list) else [k] * len(drafts.index)

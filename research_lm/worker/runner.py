@@ -34,12 +34,12 @@ from research_lm.worker.cuda_graphs import (
     unsupported_reason,
 )
 from research_lm.worker.request_state import RequestState
-from research_lm.worker.rng import to_device
-from research_lm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, TokenHistory, plain_greedy
+from research_lm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, plain_greedy
 from research_lm.worker.spec import Drafts, Proposer, StepOutcome, TokenTable
 from research_lm.worker.step_inputs import StepInputs, prepare_step_inputs
+from research_lm.worker.step_tokens import sample_or_verify
 from research_lm.worker.taps import HiddenStateTaps
-from research_lm.worker.verification import emitted_logprobs, verify_drafts
+from research_lm.worker.verification import emitted_logprobs
 
 
 @dataclass
@@ -87,8 +87,10 @@ class ModelRunner:
         self.cache_layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
         self.cache_layers += list(proposer.cache_layers if proposer is not None else [])
         self.backends = list({layer.backend.name: layer.backend for layer in self.cache_layers}.values())
-        # A backend that plans each replay from the host's lengths cannot serve a step launched on guessed ones.
-        self._plans_on_host = any(b.capabilities.graphs_plan_on_host for b in self.backends)
+        # A backend that plans from the host's lengths cannot serve a step launched on guessed ones (on CPU the
+        # gather overwrites the host's lengths with the exact ones: they are the same buffers).
+        self._plans_on_host = device.type != "cpu" and any(
+            b.capabilities.graphs_plan_on_host or b.capabilities.eager_plans_on_host for b in self.backends)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cuda_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
@@ -227,7 +229,9 @@ class ModelRunner:
 
         step = PendingStep(sched, inputs=inputs, logits=logits, t0=t0)
         step.verifies = any(s.num_spec_tokens for s in sched.scheduled)
-        emitted, num_emitted, num_real = self._sample_or_verify(step, greedy_ids, input_ids)
+        emitted, num_emitted, num_real, step.batch, step.sampled = sample_or_verify(
+            inputs, sched.scheduled, logits, greedy_ids, input_ids, verifies=step.verifies, state=self.state,
+            sampler=self.sampler, draft_probs=self.draft_probs, vocab_size=self.vocab_size)
         self.state.advance(inputs.rows[: common.num_reqs], inputs.delta, emitted, num_emitted)
         if self.proposer is not None:
             step.outcome = StepOutcome(
@@ -248,65 +252,10 @@ class ModelRunner:
         self._latest = step
         return step
 
-    def _sample_or_verify(self, step: PendingStep, greedy_ids: torch.Tensor | None, input_ids: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Per scheduled request, on the device: emitted tokens [n, m] (-1 after them), how many [n], and (a verify
-        step) the real drafts it verified [n]. A request that does not sample (a prompt chunk short of its end) emits
-        none."""
-        inputs, scheduled = step.inputs, step.sched.scheduled
-        n, sampling = len(scheduled), inputs.sampling
-        # Only some requests sample (others ran a prompt chunk): their rows among the step's, on the device.
-        index = None if len(sampling) == n else to_device(sampling, torch.int64, self.device)
-        requests = [s.request for s in scheduled]
-        if not step.verifies or not all(plain_greedy(r) and r.sampling_params.logprobs is None for r in requests):
-            step.batch = self._sampling_batch(inputs.sample_rows, scheduled)
-        if not step.verifies:
-            if greedy_ids is not None and step.batch.argmax_only:
-                step.sampled = SamplerOutput(greedy_ids)  # what the sampler returns here, computed in the graph
-            else:
-                step.sampled = self.sampler(step.logits, step.batch)
-            ids = step.sampled.token_ids
-            if index is not None:
-                ids = torch.zeros(n, dtype=torch.int64, device=self.device).index_copy_(0, index, ids)
-            return ids[:, None], inputs.samples, None
-        table_rows = inputs.rows[:n] if index is None else inputs.rows[:n][index]
-        emitted, num_emitted, num_real = verify_drafts(
-            scheduled, sampling, inputs.common.query_start_loc_cpu.numpy(), step.logits, greedy_ids, input_ids,
-            self.state.num_drafts[table_rows], step.batch, self.draft_probs)
-        if index is not None:
-            emitted = torch.full((n, emitted.shape[1]), -1, dtype=torch.int64, device=self.device).index_copy_(
-                0, index, emitted)
-            num_emitted = torch.zeros(n, dtype=torch.int32, device=self.device).index_copy_(0, index, num_emitted)
-            num_real = torch.zeros(n, dtype=torch.int32, device=self.device).index_copy_(0, index, num_real)
-        return emitted, num_emitted, num_real
-
-    def _sampling_batch(self, sample_rows: list[tuple[int, int]], scheduled) -> SamplingBatch:
-        """The step's sampling batch; penalties read each row's history from the token table (row (i, j): request i's
-        prompt and outputs, then its first j drafts)."""
-        rows = [SamplingRow(scheduled[i].request, then=range(j)) for i, j in sample_rows]  # (j: only a count)
-        history = None
-        if any(r.request.sampling_params.penalized for r in rows):
-            history = TokenHistory(self.state.token_ids, [self.state.rows.row_of[r.request.request_id] for r in rows],
-                                   [r.request.num_prompt_tokens for r in rows],
-                                   [r.request.num_tokens + len(r.then) for r in rows])
-        return SamplingBatch.build(rows, self.vocab_size, self.device, history=history)
-
     def _write_drafts(self, outcome: StepOutcome, drafts: Drafts) -> dict[str, int]:
-        """Put the drafts in the token table right after each request's tokens, with how many are real; the draft
-        slots of each request's next step (what the scheduler schedules: a count the host knows)."""
-        rows = outcome.common.request_rows
+        """The drafts into the token table; request id -> the draft slots of its next step."""
         self.draft_probs.update(drafts.probs)
-        every = drafts.index == list(range(len(rows)))  # (the common case: every request drafted, in order)
-        if not every:  # the others hold no drafts now
-            self.state.num_drafts.index_fill_(0, rows.long(), 0)
-        if not drafts.index:
-            return {}
-        k = drafts.token_ids.shape[1]
-        num = drafts.num if drafts.num is not None else [k] * len(drafts.index)
-        self.state.write_drafts(rows if every else rows[to_device(drafts.index, torch.int64, self.device)],
-                                drafts.token_ids.contiguous(),
-                                num if isinstance(num, torch.Tensor) else to_device(num, torch.int32, self.device))
-        slots = num if isinstance(num, list) else [k] * len(drafts.index)  # counted on the device: all k slots
+        slots = self.state.write_drafts(outcome.common.request_rows, drafts)
         return {outcome.requests[i].request_id: c for i, c in zip(drafts.index, slots, strict=True)}
 
     def collect(self, step: PendingStep) -> RunnerOutput:
