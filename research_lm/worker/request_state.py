@@ -17,7 +17,15 @@ from research_lm.engine.request import Request
 from research_lm.ops import FUSED_DEVICE_TYPES
 from research_lm.ops.reference import advance_rows_ref, write_drafts_ref
 from research_lm.worker.rng import to_device
-from research_lm.worker.spec import Drafts
+from research_lm.worker.spec import Drafts, TokenTable
+
+NEVER = 1 << 40  # the stop_at of a request without max_tokens
+
+
+def _stop_at(request: Request) -> int:
+    """The token count at which max_tokens ends the request."""
+    max_tokens = request.sampling_params.max_tokens
+    return NEVER if max_tokens is None else request.num_prompt_tokens + max_tokens
 
 
 class RequestRows:
@@ -55,6 +63,7 @@ class RequestState:
         self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [R] prompt + outputs held
         self.num_computed = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [R] KV in the cache
         self.num_drafts = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)  # [R] real drafts held
+        self.stop_at = torch.full((max_num_reqs,), NEVER, dtype=torch.int64, device=device)  # [R] where max_tokens ends
         self.prompt_lens = np.zeros(max_num_reqs, dtype=np.int64)  # host: what penalties count as outputs
         self._new: list[tuple[int, Request]] = []
 
@@ -84,16 +93,22 @@ class RequestState:
         flat = np.concatenate([np.asarray(r.prompt_token_ids + r.output_token_ids, dtype=np.int64) for _, r in news])
         index = np.repeat(rows * self.width, lens) + (np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens))
         computed = np.fromiter((r.num_computed_tokens for _, r in news), dtype=np.int64, count=len(news))
-        host = torch.from_numpy(np.concatenate([index, flat, rows, lens, computed]))
+        stop_at = np.fromiter((_stop_at(r) for _, r in news), dtype=np.int64, count=len(news))
+        host = torch.from_numpy(np.concatenate([index, flat, rows, lens, computed, stop_at]))
         if self.device.type == "cuda":
             host = host.pin_memory()
         up = host.to(self.device, non_blocking=True)
         t, n = len(flat), len(news)
-        index_t, flat_t, rows_t, lens_t, computed_t = up.split([t, t, n, n, n])
+        index_t, flat_t, rows_t, lens_t, computed_t, stop_at_t = up.split([t, t, n, n, n, n])
         self.token_ids.view(-1).index_copy_(0, index_t, flat_t.to(torch.int32))
         self.num_tokens.index_copy_(0, rows_t, lens_t.to(torch.int32))
         self.num_computed.index_copy_(0, rows_t, computed_t.to(torch.int32))
         self.num_drafts.index_fill_(0, rows_t, 0)
+        self.stop_at.index_copy_(0, rows_t, stop_at_t)
+
+    def table(self, rows: torch.Tensor) -> TokenTable:
+        """The tables as a proposer sees them; rows [n]: the step's requests' rows."""
+        return TokenTable(self.token_ids, self.num_tokens, rows, self.num_drafts, self.stop_at)
 
     def advance(self, rows: torch.Tensor, delta: torch.Tensor, emitted: torch.Tensor, num_emitted: torch.Tensor
                 ) -> None:
@@ -109,12 +124,14 @@ class RequestState:
         """Put the drafts right after their requests' tokens, with how many are real; rows [n]: each of the step's
         requests' row (the others keep no drafts). The draft slots of each drafted request's next step: a count the
         host knows (all k where only the device counts the real ones)."""
+        k = drafts.token_ids.shape[1]
+        if drafts.in_table:
+            return [k] * len(drafts.index)  # counted on the device
         every = drafts.index == list(range(len(rows)))  # (the common case: every request drafted, in order)
         if not every:
             self.num_drafts.index_fill_(0, rows.long(), 0)
         if not drafts.index:
             return []
-        k = drafts.token_ids.shape[1]
         num = drafts.num if drafts.num is not None else [k] * len(drafts.index)
         if not every:
             rows = rows[to_device(drafts.index, torch.int64, self.device)]

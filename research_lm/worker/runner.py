@@ -35,7 +35,7 @@ from research_lm.worker.cuda_graphs import (
 )
 from research_lm.worker.request_state import RequestState
 from research_lm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, plain_greedy
-from research_lm.worker.spec import Drafts, Proposer, StepOutcome, TokenTable
+from research_lm.worker.spec import Drafts, Proposer, StepOutcome
 from research_lm.worker.step_inputs import StepInputs, prepare_step_inputs
 from research_lm.worker.step_tokens import sample_or_verify
 from research_lm.worker.taps import HiddenStateTaps
@@ -238,7 +238,7 @@ class ModelRunner:
                 requests=[s.request for s in sched.scheduled], input_ids=input_ids, positions=positions,
                 query_start_loc_cpu=common.query_start_loc_cpu, hidden_states=hidden,
                 aux_hidden_states=self.taps.values(common.num_tokens) if self.taps is not None else None,
-                common=common, tokens=TokenTable(self.state.token_ids, self.state.num_tokens, common.request_rows),
+                common=common, tokens=self.state.table(common.request_rows),
                 emitted_ids=emitted, num_emitted=num_emitted, greedy_ids=greedy_ids)
             t1 = time.perf_counter()
             step.drafted = self.proposer.propose_on_device(step.outcome)

@@ -57,6 +57,8 @@ class TokenTable:
     token_ids: torch.Tensor  # [R, W] int32
     num_tokens: torch.Tensor  # [R] int32
     rows: torch.Tensor  # [num_reqs] int32: the step's requests' rows (common.request_rows)
+    num_drafts: torch.Tensor | None = None  # [R] int32: real drafts held after the tokens (where `Drafts.in_table`)
+    stop_at: torch.Tensor | None = None  # [R] int64: the token count at which max_tokens ends the request
 
 
 @dataclass
@@ -69,6 +71,8 @@ class Drafts:
     num: list[int] | torch.Tensor | None = None  # real drafts per drafted request (host list, or int [len(index)] on
     # the device: an n-gram lookup on the device knows its matches only there); None: all k
     probs: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [k_i, vocab] q, where sampled
+    in_table: bool = False  # the proposer wrote them (and `num`) into `TokenTable` itself, in order: every request
+    # of the step drafted (a graph that writes them where it drafts them)
 
     @classmethod
     def from_lists(cls, index: list[int], token_ids: list[list[int]], k: int, device: torch.device,
