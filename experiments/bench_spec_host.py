@@ -100,9 +100,10 @@ def verify_first(llm: LLM) -> LLM:
 
 
 def inputs_launched(llm: LLM) -> LLM:
-    """The A/B switch: the step-input gather kernel launches every step instead of replaying from a small graph
-    (`research_lm.ops.step_inputs.StepInputWriter`)."""
-    llm.engine.runner._write_inputs.max_graphs = 0
+    """The A/B switch: the step-input gather and the tables' advance launch their kernels every step instead of
+    replaying them from small graphs (`research_lm.ops.step_inputs.RecurringLaunches`)."""
+    runner = llm.engine.runner
+    runner._write_inputs.launches.max_graphs = runner.state.launches.max_graphs = 0
     return llm
 
 

@@ -37,6 +37,8 @@ max(Aq, P), P the longest prompt graph (below):
     verified 3 x [Aq] int64        "verified": the verify step's argmax, input ids and positions (request r at rows
                                    r*q ..): the target's own buffers when the runner hands them over (read in
                                    place), else copies
+    num_reqs [1] int64             "verified": the step's requests, n (a device copy from `_counts`: nothing staged)
+    table_rows [A] int64           "verified": each request's row in the token table, -1 on padding
     _drafts [k, A] int64           drafts 1 .. k of each request (chain step j reads row j - 1 in place), until
                                    the next replay; `drafts(rows)` gathers them
     probs [A, k, V] float32        "sample": q of each draft (A x k x V x 4 bytes: 82 MB for 32 x 5 x 128k)
@@ -44,15 +46,18 @@ Padding follows `research_lm.worker.cuda_graphs`: token rows past the step's get
 rows n .. B have query length 0. Chain rows past their limit (or padding) still compute, at position 0 and
 writing no KV; their drafts are noise (a request keeps drafts 1 .. its budget).
 
-A third rule, "verified", drafts before the host knows what the target emitted (`run(verified=...)`): for
-an all-greedy step where every request verified k drafts (q = k + 1 rows each, request r at rows r*q ..),
-a prologue inside the graph takes the verify forward's argmax g, input x and positions (in place, or copies:
-`verified`), accepts while x[j + 1] == g[j] (n_acc), and enters the tokens the request emits, g[0 .. n_acc], at
-positions c .. c + n_acc: rows past n_acc write no KV and feed nothing. Draft 1 is picked at row r*q + n_acc, and
-the budget min(k, room - n_acc - 2) (`spec_decode.heads.draft_budget`) comes from each request's room, staged
-in place of the budget. The graph reads no value of the host's that the device computed: the positions are the
-verify step's own, so under async scheduling the host's counts may be guesses. It leaves only the drafts; the
-runner reads them with `drafts(rows)` and writes them into its device token table.
+A third rule, "verified", drafts before the host knows what the target emitted (`run_verified`): for an
+all-greedy step where every request verified k draft slots (q = k + 1 rows each, request r at rows r*q ..), a
+prologue inside the graph takes the verify forward's argmax g, input x and positions (in place, or copies:
+`verified`), accepts while x[j + 1] == g[j] over the request's real drafts (n_acc, as the verification did), and
+enters the tokens the request emits, g[0 .. n_acc], at positions c + s .. c + s + n_acc, s = `entry_shift` (EAGLE
+0: its row at t reads x[t + 1]; a draft model 1: its row at t reads x[t]); rows past n_acc write no KV and feed
+nothing. Draft 1 is picked at row r*q + n_acc. The graph reads the runner's token table (`tokens`, handed over at
+capture; the runner has appended this step's tokens): each request's budget is `spec_decode.heads.draft_budget` of
+its token count and stop_at there, and the graph writes its drafts right after its tokens and the budget into
+num_drafts, so the runner writes nothing (`Drafts.in_table`). The host stages nothing: the step's size n is one
+device copy. The graph reads no value of the host's that the device computed, so under async scheduling the host's
+counts may be guesses.
 
 Before the forwards, a replay computes the entry's and the chain's records (and, "verified", the acceptance):
 on CUDA in one Triton kernel (spec_decode/draft_bookkeeping.py: ~40 small kernels fewer per replay), elsewhere
@@ -78,16 +83,18 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 import research_lm.ops
 from attention_zoo import CacheLayer, CommonAttentionMetadata
+from research_lm.ops.reference import write_drafts_ref
 from research_lm.worker import rng
 from research_lm.worker.cuda_graphs import Capture
 from research_lm.worker.sampler import apply_temperature, random_sample
+from research_lm.worker.spec import TokenTable
 
 # (ids [T], positions [T], metadata, features or carry [T, F] | None) -> (out for the logits [T, H], carry | None)
 DraftForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor | None],
@@ -117,6 +124,20 @@ class _Layout:
     @property
     def size(self) -> int:
         return 4 * self.t + 8 * self.b + 1
+
+
+class Verified(NamedTuple):
+    """What the "verified" rule's bookkeeping kernel reads besides the staging, and writes into the token table."""
+
+    g: torch.Tensor  # [>= b*q] int64: the verify's argmax
+    x: torch.Tensor  # [>= b*q] int64: its input ids
+    num_reqs: torch.Tensor  # [1] int64: the step's requests, n
+    rows: torch.Tensor  # [>= b] int32: each request's table row
+    num_tokens: torch.Tensor  # [R] int32: this step's tokens included
+    num_drafts: torch.Tensor  # [R] int32: read (the drafts verified), then written (the budgets)
+    stop_at: torch.Tensor  # [R] int64
+    table_rows: torch.Tensor  # [>= b] int64: written, each request's table row or -1 on padding
+    max_model_len: int
 
 
 @dataclass
@@ -151,6 +172,11 @@ class DraftGraphs:
         # The target's argmax, input-id and position buffers (1-D int64, the verify graphs' and the runner's), which
         # a "verified" graph then reads in place; None (or too short): it reads copies in its own buffers
         verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        # The runner's token table, its `rows` the persistent buffer of a step's request rows [>= max(sizes)]: the
+        # "verified" graphs write the drafts there (None: no "verified" graphs)
+        tokens: TokenTable | None = None,
+        max_model_len: int = 0,  # "verified": what the budgets leave room for
+        entry_shift: int = 0,  # "verified": entry row j of a request sits at position c + j + entry_shift
         # Entry lengths of one request's prompt graphs (B = 1, "argmax" and "sample"): a prompt of at most
         # max(prefill_sizes) rows replays the smallest that holds it, with no eager catch-up. Ignored without
         # multi-token attention (query_len 1).
@@ -189,12 +215,17 @@ class DraftGraphs:
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
         self.temperature_host = torch.ones(a, dtype=torch.float32, pin_memory=pin)
         self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
-        # "verified" needs q = k + 1 rows per request, and a drafter fed by features (EAGLE): a draft model's
-        # entry starts below the verified tokens.
-        self.drafts_verified = query_len == num_speculative_tokens + 1 and features is not None
+        # "verified" needs q = k + 1 rows per request, and the token table to write the drafts into.
+        self.drafts_verified = query_len == num_speculative_tokens + 1 and tokens is not None
         fits = verified_inputs is not None and min(len(v) for v in verified_inputs) >= a * q
         self.verified_in_place = fits
         self.verified = tuple(verified_inputs) if fits else tuple(torch.zeros(3, a * q, **i64).unbind(0))
+        self.table, self.max_model_len, self.entry_shift = tokens, max_model_len, entry_shift
+        assert tokens is None or len(tokens.rows) >= a, "the request-rows buffer must hold the largest batch"
+        self.num_reqs = torch.zeros(1, **i64)
+        self._counts = torch.arange(a + 1, **i64)  # n's device copy comes from here
+        self.table_rows = torch.full((a,), -1, **i64)
+        self.entry_positions = torch.zeros(a * q, **i64)  # "verified" with a shift: the verify's positions + shift
         self._replay: dict[tuple[_Layout, str], Callable[[], Any]] = {}  # (layout, rule) -> replay
         self._entry, self._step, self._logits, self._argmax = entry, step, logits, argmax
         self._backends = {layer.backend.name: layer.backend for layer in layers}
@@ -231,6 +262,7 @@ class DraftGraphs:
         self.entry_seq_lens[: lay.b].copy_(host[lay.request(1)])
         self.query_start_loc[: lay.b + 1].copy_(torch.arange(lay.b + 1))
         self.seq_lens[:, : lay.b].fill_(1)
+        self.num_reqs.zero_()  # "verified": all padding, so a warm-up run writes nothing into the token table
         if not self.verified_in_place:  # "verified": padding rows keep reading token 0
             for v in self.verified:
                 v.zero_()
@@ -245,7 +277,9 @@ class DraftGraphs:
         offset = self.entry_offsets
         # "verified": the argmax g, input x and positions per request
         verified = tuple(v[:t].view(b, lay.q) for v in self.verified) if rule == "verified" else None
-        pos = verified[2].reshape(t) if verified is not None else pos_in  # the entry rows' positions
+        pos = pos_in  # the entry rows' positions
+        if verified is not None:
+            pos = self.entry_positions[:t] if self.entry_shift else verified[2].reshape(t)
         temperature, probs = self.temperature[:b], self.probs[:b]
         entry_qsl, entry_seq_lens, entry_slots = self.entry_qsl[: b + 1], self.entry_seq_lens[:b], self.entry_slots[:t]
         features = None if self.features is None else self.features[:t]
@@ -275,21 +309,38 @@ class DraftGraphs:
             probs[:, j].copy_(q)
             drafts[j].copy_(random_sample(q, seeds, out_pos + j, rng.DRAFT))  # one-hot rows race to their argmax
 
+        def verified_records() -> tuple[torch.Tensor, ...]:
+            """"verified": (real, query starts, token rows' requests, KV writes, last rows, budgets) of the step's
+            n requests, from the verify's tokens and the token table; the budgets go into num_drafts."""
+            g, x, _ = verified
+            tab, r, n = self.table, torch.arange(b, device=st.device), self.num_reqs
+            real = r < n  # [b]
+            row = torch.where(real, tab.rows[:b].long(), 0)  # each request's table row (0 on padding)
+            num_real = tab.num_drafts[row]  # the real drafts the verify step verified
+            ok = (x[:, 1:] == g[:, :-1]) & (self.entry_offsets[: self.k] < num_real[:, None])
+            n_acc = torch.where(real, ok.long().cumprod(dim=1).sum(dim=1), 0)  # [b] drafts accepted
+            filled = tab.num_tokens[row].long()  # this step's tokens included
+            budgets = torch.where(filled >= tab.stop_at[row], 0, (self.max_model_len - filled - 1).clamp(0, self.k))
+            # Padding rows add 0 to row 0's count: no race with a real row 0, and no sync.
+            tab.num_drafts.index_put_((row,), torch.where(real, budgets - num_real, 0).int(), accumulate=True)
+            self.table_rows[:b].copy_(torch.where(real, row, -1))
+            qsl = torch.minimum(torch.arange(b + 1, device=st.device), n) * lay.q
+            i = torch.arange(t, device=st.device)
+            req = torch.where(i < n * lay.q, i // lay.q, -1)
+            writes = (req >= 0) & (offset <= n_acc[:, None]).view(t)
+            return real, qsl, req, writes, lay.q * r + n_acc, budgets
+
         def bookkeeping() -> torch.Tensor:  # [b] each request's last entry row
             """The entry's and the chain's records (spec_decode/draft_bookkeeping.py has the rule, and the kernel)."""
-            real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
-            if rule == "verified":  # accept while x[j + 1] == g[j]; the room is staged in the budgets' place
-                g, x, _ = verified
-                n_acc = (x[:, 1:] == g[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [b] drafts accepted
-                writes = (req_in >= 0) & (offset <= n_acc[:, None]).view(t)
-                last_row = lay.q * torch.arange(b, device=st.device) + n_acc
-                budgets = (budget - n_acc - 2).clamp(min=0, max=self.k)
+            if rule == "verified":
+                real, qsl_entry, req, writes, last_row, budgets = verified_records()
                 entry_seq_lens.copy_(torch.where(real, pos[lay.q - 1 :: lay.q] + 1, 0))
             else:
-                writes, last_row, budgets = req_in >= 0, last, budget
+                real = qsl_in[1:] > qsl_in[:-1]  # [b] bool: padding rows have no entry rows
+                qsl_entry, req, writes, last_row, budgets = qsl_in, req_in, req_in >= 0, last, budget
                 entry_seq_lens.copy_(seq_lens_in)
-            entry_qsl.copy_(qsl_in)
-            entry_slots.copy_(slot_of(req_in.clamp(min=0), pos, writes))
+            entry_qsl.copy_(qsl_entry)
+            entry_slots.copy_(slot_of(req.clamp(min=0), pos, writes))
             if self.k > 1:
                 qsl[1:].copy_(torch.cumsum(real, 0))
                 # Step j feeds draft j at position last + j; a row feeds (and writes KV) only below last + budget.
@@ -303,20 +354,30 @@ class DraftGraphs:
         def fused_bookkeeping() -> torch.Tensor:
             from spec_decode.draft_bookkeeping import draft_bookkeeping  # Triton, imported when a kernel runs
 
+            tab = self.table
+            tables = None if rule != "verified" else Verified(
+                self.verified[0][:t], self.verified[1][:t], self.num_reqs, tab.rows, tab.num_tokens, tab.num_drafts,
+                tab.stop_at, self.table_rows, self.max_model_len)
             draft_bookkeeping(
-                st[: lay.size], offsets, pos, verified[:2] if rule == "verified" else None, block_table, entry_qsl,
-                entry_seq_lens, entry_slots, last_rows, qsl, positions, seq_lens, slots, b=b, q=lay.q, k=self.k,
-                block_size=bs)
+                st[: lay.size], offsets, pos, tables, block_table, entry_qsl, entry_seq_lens, entry_slots, last_rows,
+                qsl, positions, seq_lens, slots, b=b, q=lay.q, k=self.k, block_size=bs)
             return last_rows
 
         offsets = {"req": lay.token(2).start, "qsl": lay.request(0).start, "seq": lay.request(1).start,
                    "last": lay.request(2).start, "budget": lay.request(3).start}
         last_rows = self.last_rows[:b]
-        records = fused_bookkeeping if st.device.type in research_lm.ops.FUSED_DEVICE_TYPES else bookkeeping
+        fused = st.device.type in research_lm.ops.FUSED_DEVICE_TYPES
+        records = fused_bookkeeping if fused else bookkeeping
         entry_ids = verified[0].reshape(t) if rule == "verified" else ids_in  # "verified": the emitted tokens
+        if fused:
+            from research_lm.ops.step_inputs import write_drafts  # Triton, imported when a kernel runs
+        else:
+            write_drafts = write_drafts_ref
 
         @torch.inference_mode()
         def draft() -> None:
+            if rule == "verified" and self.entry_shift:
+                torch.add(verified[2].reshape(t), self.entry_shift, out=pos)
             last_row = records()
             out, carry = self._entry(entry_ids, pos, entry_md, features)
             pick(out[last_row], 0)
@@ -325,6 +386,8 @@ class DraftGraphs:
             for j in range(1, self.k):
                 out, carry = self._step(drafts[j - 1], positions[j - 1], chain_md[j - 1], carry)
                 pick(out, j)
+            if rule == "verified":  # drafts 1 .. k right after each request's tokens (the budget counts the real ones)
+                write_drafts(self.table.token_ids, self.table.num_tokens, self.table_rows[:b], drafts.t().contiguous())
 
         return draft
 
@@ -367,14 +430,11 @@ class DraftGraphs:
         tokens: Sequence[int],  # [T] the entry rows' tokens, request after request (ignored when `verified`)
         starts: Sequence[int],  # [n] position of each request's first entry row
         lens: Sequence[int],  # [n] its entry rows (1 .. q)
-        budgets: Sequence[int] | torch.Tensor,  # [n] drafts it wants (0: none; its entry rows still write the
-        # drafter's KV); the "verified" rule: each request's room, which may be an int tensor on the device
+        budgets: Sequence[int],  # [n] drafts it wants (0: none; its entry rows still write the drafter's KV)
         # (feature rows [T] on the device, out [T, F]) -> out: writes the entry rows' target features in place
         features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
         sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
-        verified: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # the "verified" rule: the verify
-        # step's argmax, input ids and positions [n * q] (device); `tokens` and `starts` are then ignored
     ) -> torch.Tensor | None:  # "sample": q [n, k, V]
         """Replay the step's graph. Request r's drafts 1 .. budget stay on the device until the next replay
         (`drafts` hands them out)."""
@@ -392,8 +452,7 @@ class DraftGraphs:
         host = staging_host[: lay.size].numpy()
         host[:] = 0
         token, request = (lambda i: host[lay.token(i)]), (lambda i: host[lay.request(i)])
-        if verified is None:
-            token(0)[:num_tokens] = tokens
+        token(0)[:num_tokens] = tokens
         req_of_token = np.repeat(np.arange(n), lens_np)
         offset = np.asarray(starts) - (ends - lens_np)  # position - token index, per request
         token(1)[:num_tokens] = np.arange(num_tokens) + offset[req_of_token]
@@ -405,9 +464,7 @@ class DraftGraphs:
         request(0)[n + 1 :] = num_tokens
         request(1)[:n] = np.asarray(starts) + lens_np
         request(2)[:n] = ends - 1
-        on_device = isinstance(budgets, torch.Tensor)
-        if not on_device:
-            request(3)[:n] = budgets
+        request(3)[:n] = budgets
         request(4)[:n] = rows
         request(7)[:] = 1  # padding rows are greedy
         if sampling is not None:
@@ -422,24 +479,36 @@ class DraftGraphs:
         staged.copy_(staging_host[: lay.size], non_blocking=True)
         if staged_event is not None:
             staged_event.record()
-        if on_device:
-            staged[lay.request(3)][:n].copy_(budgets)
         cols = min(block_table.shape[1], self.block_table.shape[1])
-        if list(rows) == list(range(n)):  # the step's first n rows, in order (the "verified" rule): no gather
+        if list(rows) == list(range(n)):  # the step's first n rows, in order: no gather
             self.block_table[:n, :cols].copy_(block_table[:n, :cols])
         else:
             self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
         if features is not None:
             features(staged[lay.token(3)][:num_tokens], self.features[:num_tokens])
-        rule = "sample" if sampling is not None else "argmax"
-        if verified is not None:
-            assert self.drafts_verified and sampling is None and num_tokens == n * self.query_len
-            for dst, src in zip(self.verified, verified, strict=True):
-                if src.data_ptr() != dst.data_ptr():  # the graph reads dst: the target's own buffer, or a copy
-                    dst[:num_tokens].copy_(src)
-            rule = "verified"
-        self._replay[lay, rule]()
+        self._replay[lay, "sample" if sampling is not None else "argmax"]()
         return None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
+
+    @torch.inference_mode()
+    def run_verified(
+        self,
+        block_table: torch.Tensor,  # [n, <= blocks] the verify step's block table
+        verified: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # its argmax, input ids and positions [n * q]
+        features: Callable[[torch.Tensor], Any] | None = None,  # out [n * q, F] -> writes the rows' features there
+    ) -> None:
+        """Replay the "verified" graph of a step of n = len(block_table) requests, each verifying k draft slots
+        (module docstring): it writes each request's drafts and their count into the token table. Per step the host
+        issues only copies: n, the block table, the features and (unless read in place) the verify's outputs."""
+        n = len(block_table)
+        t, cols = n * self.query_len, block_table.shape[1]
+        self.num_reqs.copy_(self._counts[n : n + 1])
+        (self.block_table[:n] if cols == self.block_table.shape[1] else self.block_table[:n, :cols]).copy_(block_table)
+        if features is not None:
+            features(self.features[:t])
+        for dst, src in zip(self.verified, verified, strict=True):
+            if src.data_ptr() != dst.data_ptr():  # the graph reads dst: the target's own buffer, or a copy
+                dst[:t].copy_(src[:t])
+        self._replay[_Layout(self.padded_size(n), self.query_len), "verified"]()
 
     def drafts(self, rows: Sequence[int]) -> torch.Tensor:  # [len(rows), k] int64 on the device
         """The last replay's drafts of the requests at these graph rows: row i holds drafts 1 .. k of graph row rows[i]
@@ -456,3 +525,7 @@ class DraftGraphs:
         # pinned block until the copy has run.
         index = torch.tensor(rows, dtype=torch.int64, pin_memory=self._drafts.is_cuda)
         return self._drafts.t().index_select(0, index.to(self._drafts.device, non_blocking=True))
+
+    def drafts_view(self, n: int) -> torch.Tensor:  # [n, k] int64 on the device
+        """Graph rows 0 .. n-1's drafts as a view (no copy): valid until the next replay."""
+        return self._drafts[:, :n].t()

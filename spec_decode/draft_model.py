@@ -14,6 +14,14 @@ at the target's slot for p. Each step, per request:
 2. Draft: the logits at x[n] give d1; feed d1 at n+1, ..., d(k-1) at n+k-1 (`num_lookahead_tokens`
    = k slots past the verified tokens). Greedy requests take argmaxes; sampling requests draw from
    their processed draft distribution q and return it (`Drafts.probs`).
+
+At launch (`propose_on_device`), a plain-greedy verify step drafts before its tokens reach the host, from the
+"verified" draft graph (spec_decode/draft_graphs.py): a request that verified x_c and k drafts at c .. c+k and
+accepted n_acc has right draft KV below c + 1 (x_c was fed as the newest token last step), and its accepted drafts
+only repeat what was fed, so the graph feeds the target's argmax g[j] at position c + j + 1 for j <= n_acc (g[n_acc]
+is the new token, at the newest position), takes d1 from the row of g[n_acc] and chains as above. Every position
+below the target's computed count c + n_acc + 1 then holds the right draft KV, so forgetting the request's fed
+drafts (`_fed`) is exact: a later catch-up at collect starts at the target's computed tokens.
 """
 
 from __future__ import annotations
@@ -28,9 +36,16 @@ from research_lm.engine.request import Request
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
 from research_lm.worker.cuda_graphs import Capture, uncapturable_reason
-from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, TokenTable, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
-from spec_decode.heads import cache_layers_of, draft_metadata, head_dir, start_drafting, token_span
+from spec_decode.heads import (
+    cache_layers_of,
+    draft_before_verification,
+    draft_metadata,
+    head_dir,
+    start_drafting,
+    token_span,
+)
 
 _PAGED_KINDS = ("attention", "mla")
 
@@ -81,6 +96,14 @@ class DraftModelProposer(Proposer):
         positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
         return positions, self._forward(tokens, positions, md)
 
+    def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
+        """The "verified" graph's drafts at launch (module docstring), or None (then `propose` drafts at collect)."""
+        drafts = draft_before_verification(self.graphs, outcome)
+        if drafts is not None:  # its KV is right below the target's computed tokens: where `_valid` then starts
+            for req in outcome.requests:
+                self._fed.pop(req.request_id, None)
+        return drafts
+
     def propose(self, outcome: StepOutcome) -> Drafts:
         reqs, emitted = outcome.requests, outcome.emitted
         drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
@@ -127,11 +150,11 @@ class DraftModelProposer(Proposer):
         return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
-                            verified_inputs: tuple[torch.Tensor, ...] | None = None,
-                            prefill_sizes: Sequence[int] = ()) -> None:
-        """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache
-        (`verified_inputs` go unread: a draft model's entry starts below the verified tokens, so it never drafts
-        before verification)."""
+                            verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                            tokens: TokenTable | None = None, prefill_sizes: Sequence[int] = ()) -> None:
+        """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
+        "verified" ones (where the runner hands over its token table) enter the verify's argmax one position later
+        than EAGLE does and write the drafts into the table."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.model, backends, lengths_on_device=True) is not None:
             return
@@ -146,6 +169,7 @@ class DraftModelProposer(Proposer):
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
             max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
             features=None, device=next(self.model.parameters()).device, capture=capture,
+            verified_inputs=verified_inputs, tokens=tokens, max_model_len=self.max_model_len, entry_shift=1,
             prefill_sizes=prefill_sizes,
         )
 

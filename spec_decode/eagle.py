@@ -55,14 +55,13 @@ from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecode
 from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
 from research_lm.worker.cuda_graphs import Capture, uncapturable_reason
-from research_lm.worker.sampler import plain_greedy
-from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, TokenTable, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
     check_shape,
-    device_budgets,
+    draft_before_verification,
     draft_metadata,
     expected_checkpoint_names,
     head_dir,
@@ -319,29 +318,12 @@ class EagleProposer(Proposer):
         return self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
 
     def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
-        """Draft this step from the "verified" graph (spec_decode/draft_graphs.py), right behind the verify forward,
-        from device values alone: where every request is a plain-greedy decode that verifies k drafts (q = k + 1 rows
-        each) and a graph fits the batch. For request r the entry is then its emitted tokens (the verify's argmax at
-        rows 0 .. n_acc) at positions c .. c + n_acc, exactly the rows `propose` would enter, and its drafts are the
-        same. None where it cannot (then `propose` drafts at collect)."""
-        graphs, reqs, common = self.graphs, outcome.requests, outcome.common
-        q = self.num_speculative_tokens + 1
-        if (graphs is None or not graphs.drafts_verified or outcome.greedy_ids is None or not graphs.serves(len(reqs))
-                or common.max_query_len != q or common.num_tokens != q * len(reqs)):
-            return None
-        computed = common.num_computed_tokens_cpu.tolist()
-        if not all(c + 1 == r.num_tokens and plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
-            return None
-        # Each request's room before this step's tokens, from the device table (the graph subtracts what it emits:
-        # `draft_budget`): exact, where the host's counts may assume a step in flight accepted all its drafts.
-        rows = outcome.tokens.rows.long()
-        rooms = self.max_model_len - outcome.tokens.num_tokens[rows].long() + outcome.num_emitted.long()
-        t = common.num_tokens
-        graphs.run(common.block_table, range(len(reqs)), (), computed, [q] * len(reqs), rooms,
-                   features=lambda _, out: self._target_features(outcome, slice(0, t), out),
-                   verified=(outcome.greedy_ids[:t], outcome.input_ids[:t], outcome.positions[:t]))
-        budgets = device_budgets(outcome, self.num_speculative_tokens, self.max_model_len)
-        return Drafts(list(range(len(reqs))), graphs.drafts(range(len(reqs))), budgets)
+        """Draft this step from the "verified" graph, right behind the verify forward, from device values alone
+        (`spec_decode.heads.draft_before_verification`). For request r the entry is then its emitted tokens (the
+        verify's argmax at rows 0 .. n_acc) at positions c .. c + n_acc, exactly the rows `propose` would enter, and
+        its drafts are the same. None where it cannot (then `propose` drafts at collect)."""
+        return draft_before_verification(
+            self.graphs, outcome, lambda out: self._target_features(outcome, slice(0, len(out)), out))
 
     def propose(self, outcome: StepOutcome) -> Drafts:
         reqs, emitted = outcome.requests, outcome.emitted
@@ -382,9 +364,10 @@ class EagleProposer(Proposer):
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
                             verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            prefill_sizes: Sequence[int] = ()) -> None:
+                            tokens: TokenTable | None = None, prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
-        "verified" ones read the target's argmax and input ids in place where the runner hands their buffers over."""
+        "verified" ones (where the runner hands over its token table) read the target's argmax and input ids in
+        place where the runner hands their buffers over, and write the drafts into the table."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.head, backends, lengths_on_device=True) is not None:
             return
@@ -399,7 +382,7 @@ class EagleProposer(Proposer):
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,
             max_blocks_per_req=max_blocks_per_req, max_seq_len=self.max_model_len + self.num_lookahead_tokens,
             features=(width, fc.dtype), device=fc.device, capture=capture, verified_inputs=verified_inputs,
-            prefill_sizes=prefill_sizes,
+            tokens=tokens, max_model_len=self.max_model_len, prefill_sizes=prefill_sizes,
         )
 
     def on_requests_removed(self, req_ids: set[str]) -> None:

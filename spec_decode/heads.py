@@ -155,16 +155,34 @@ def draft_budget(req: Request, emitted: Sequence[int], k: int, max_model_len: in
 
 
 def device_budgets(outcome: StepOutcome, k: int, max_model_len: int) -> torch.Tensor:  # [n] int32 on the device
-    """`draft_budget` at launch, before the host knows what each request emitted: from each row's token count in the
-    device table (this step's tokens appended), exact even where the host's counts are guesses (async scheduling)."""
-    never = 1 << 40
-    limit = [r.num_prompt_tokens + (never if r.sampling_params.max_tokens is None else r.sampling_params.max_tokens)
-             for r in outcome.requests]  # the token count at which max_tokens stops the request
-    device = outcome.num_emitted.device
-    num_tokens = outcome.tokens.num_tokens[outcome.tokens.rows.long()].long()
-    budget = (max_model_len - num_tokens - 1).clamp(0, k)
-    stops = (outcome.num_emitted == 0) | (num_tokens >= rng.to_device(limit, torch.int64, device))
-    return torch.where(stops, 0, budget).to(torch.int32)
+    """`draft_budget` at launch, before the host knows what each request emitted: from each row's token count and
+    stop_at in the device table (this step's tokens appended), exact even where the host's counts are guesses (async
+    scheduling). Nothing is copied from the host."""
+    rows = outcome.tokens.rows.long()
+    num_tokens = outcome.tokens.num_tokens[rows].long()
+    stops = (outcome.num_emitted == 0) | (num_tokens >= outcome.tokens.stop_at[rows])
+    return torch.where(stops, 0, (max_model_len - num_tokens - 1).clamp(0, k)).to(torch.int32)
+
+
+def draft_before_verification(
+    graphs: DraftGraphs | None,
+    outcome: StepOutcome,
+    features: Callable[[torch.Tensor], Any] | None = None,  # out [T, F] -> the step's target features into out
+) -> Drafts | None:
+    """At launch, the drafts of a step from its "verified" graph (spec_decode/draft_graphs.py), which writes them into
+    the token table itself: where every request is a plain-greedy decode verifying k draft slots (q = k + 1 rows
+    each), the verify graph computed the argmax and a graph fits the batch. None where it cannot."""
+    reqs, common = outcome.requests, outcome.common
+    if (graphs is None or not graphs.drafts_verified or outcome.greedy_ids is None or not graphs.serves(len(reqs))
+            or common.max_query_len != graphs.query_len or common.num_tokens != graphs.query_len * len(reqs)):
+        return None
+    computed = common.num_computed_tokens_cpu.tolist()
+    if not all(c + 1 == r.num_tokens and plain_greedy(r) for c, r in zip(computed, reqs, strict=True)):
+        return None
+    assert outcome.tokens.rows.data_ptr() == graphs.table.rows.data_ptr(), "not the token table of the capture"
+    graphs.run_verified(common.block_table, (outcome.greedy_ids, outcome.input_ids, outcome.positions), features)
+    n = len(reqs)
+    return Drafts(list(range(n)), graphs.drafts_view(n), in_table=True)
 
 
 @dataclass

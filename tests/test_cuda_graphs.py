@@ -614,3 +614,47 @@ def test_spec_verify_graphs_match_eager_on_cuda(tiny_checkpoint):
     got, keys = _verify_graph_run(llm, prompts, params)
     assert got == want == _eager_tokens(LLM(path, **knobs), prompts, params)
     assert (4, 4) in keys
+
+
+def test_verify_graphs_accept_greedily_what_verify_drafts_accepts():
+    """A verify graph also keeps each request's drafts while they equal the argmax of the row before them (only its
+    first num_drafts[row] slots hold real drafts), packed for the host copy over its padded B requests; for 3
+    requests padded to 4 it emits what `verify_drafts` emits for the same step."""
+    from research_lm.api.outputs import ScheduledRequest
+    from research_lm.worker.verification import verify_drafts
+
+    vocab, k, n = 8, 3, 3
+    buf = StepBuffers(max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=4, device=CPU)
+    num_drafts = torch.tensor([3, 1, 0, 2, 3], dtype=torch.int32)  # the device table, per request row
+
+    def logits_of(hidden):  # row t's argmax: its input id + 1 (mod vocab)
+        return torch.nn.functional.one_hot((hidden[:, 0].long() + 1) % vocab, vocab).float()
+
+    graphs = DecodeGraphs(_Recorder(), buf, [], sizes=[4], query_lens=[1, k + 1], block_size=16, max_seq_len=64,
+                          compute_logits=logits_of, vocab_size=vocab, num_drafts=num_drafts, capture=eager_capture)
+    # argmax = id + 1: request 0 keeps 2 drafts (its 3rd is wrong), 1 keeps 1, 2 keeps its one real draft only
+    ids = [[1, 2, 3, 5], [4, 5, 7, 0], [6, 7, 0, 1]]
+    rows = [0, 3, 1]  # their table rows: 3, 2 and 1 real drafts
+    buf.input_ids.np[: n * (k + 1)] = sum(ids, [])
+    buf.input_ids.copy_to_gpu(16)
+    buf.request_rows.np[:4] = rows + [-1]
+    buf.request_rows.copy_to_gpu(4)
+    common = graph_metadata(buf, n, 16, 64, query_len=k + 1)
+    common.num_tokens = n * (k + 1)
+    step = graphs.replay((4, k + 1), common)
+    t = 4 * (k + 1)
+    packed = step.accepted
+    assert packed.shape == (t + 8,)
+    emitted, counts, real = packed[:t].view(4, k + 1)[:n], packed[t : t + n], packed[t + 4 : t + 4 + n]
+
+    class _Req:
+        def __init__(self, i):
+            self.request_id = str(i)
+
+    scheduled = [ScheduledRequest(_Req(i), k + 1, [], num_spec_tokens=k) for i in range(n)]
+    want, want_counts, want_real = verify_drafts(
+        scheduled, list(range(n)), np.arange(0, (n + 1) * (k + 1), k + 1), step.logits, step.greedy_ids,
+        buf.input_ids.gpu[: n * (k + 1)], num_drafts[rows], None, {})
+    assert emitted.tolist() == want.tolist() == [[2, 3, 4, -1], [5, 6, -1, -1], [7, 0, -1, -1]]
+    assert counts.tolist() == want_counts.tolist() == [3, 2, 2]
+    assert real.tolist() == want_real.tolist() == [3, 2, 1]

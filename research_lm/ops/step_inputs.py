@@ -9,8 +9,8 @@ host reads the right values, whatever the host guessed about its accepted drafts
 - `gather_step_inputs`: one step's input_ids, positions, slot_mapping, seq_lens, query_start_loc and request_rows,
   padding included (the numbers are `research_lm.ops.reference.gather_step_inputs_ref`'s, value for value). Grid
   (b, token blocks of the longest query): a batch-1 decode is one program. Padding tokens are spread over every
-  program. `StepInputWriter` replays the launch from a small CUDA graph once a (b, t_pad, grid) recurs: a Triton
-  launch costs ~50-70 µs of host time on the device machine's host.
+  program. `StepInputWriter` replays the launch from a small CUDA graph once a (b, t_pad, grid) recurs
+  (`RecurringLaunches`): a Triton launch costs ~50-70 µs of host time on the device machine's host.
 - `advance_rows`: a step's emitted tokens appended to each row, num_tokens and num_computed advanced.
 - `write_drafts`: a proposer's drafts written right after each row's tokens, where the next step verifies them. A
   kernel even though it is one scatter: torch cannot skip rows < 0 or columns >= W without a boolean mask (a host
@@ -216,25 +216,47 @@ class StepInputWriter:
     ):
         self.tensors = (token_ids, num_computed, block_table, staging, input_ids, positions, slot_mapping, seq_lens,
                         query_start_loc, request_rows)
-        self.block_size, self.max_graphs = block_size, max_graphs
+        self.block_size = block_size
         self.cuda = token_ids.device.type == "cuda"
-        self.graphs: dict[tuple[int, ...], Callable[[], None]] = {}
-        self.misses: collections.Counter[tuple[int, ...]] = collections.Counter()
+        self.launches = RecurringLaunches(max_graphs)
 
     def __call__(self, b: int, t_pad: int, max_query_len: int) -> None:
         def write() -> None:
             fn = gather_step_inputs if self.cuda else gather_step_inputs_ref
             fn(*self.tensors, b=b, t_pad=t_pad, max_query_len=max_query_len, block_size=self.block_size)
 
-        key = (b, t_pad, *_grid(max_query_len))  # the launch depends on max_query_len only through its grid
+        if not self.cuda:
+            write()
+            return
+        self.launches((b, t_pad, *_grid(max_query_len)), write)  # max_query_len matters only through its grid
+
+
+class RecurringLaunches:
+    """Launches replayed from small CUDA graphs: a key seen a second time is captured (its launch recorded, not run)
+    and replayed from then on; at most `max_graphs` are kept, other keys launch. A key must name everything the launch
+    depends on: its shapes and, for tensors that are not persistent buffers, their addresses (`launch_key`)."""
+
+    def __init__(self, max_graphs: int = 16):
+        self.max_graphs = max_graphs
+        self.graphs: dict[tuple, Callable[[], None]] = {}
+        self.misses: collections.Counter[tuple] = collections.Counter()
+
+    def __call__(self, key: tuple, launch: Callable[[], None]) -> None:
         if (replay := self.graphs.get(key)) is not None:
             replay()
             return
-        write()  # also compiles the kernel for this key's specialization before any capture
-        if self.cuda and len(self.graphs) < self.max_graphs:  # once full, fresh keys are no longer counted
+        launch()  # also compiles the kernel for this key's specialization before any capture
+        if len(self.graphs) < self.max_graphs:  # once full, fresh keys are no longer counted
+            if len(self.misses) > 4096:  # keys of short-lived tensors' addresses: forget them
+                self.misses.clear()
             self.misses[key] += 1
             if self.misses[key] > 1:
-                self.graphs[key] = _capture(write)
+                self.graphs[key] = _capture(launch)
+
+
+def launch_key(*tensors: torch.Tensor) -> tuple:
+    """What a kernel launch over `tensors` depends on: each one's address, shape, strides and dtype."""
+    return tuple((x.data_ptr(), x.shape, x.stride(), x.dtype) for x in tensors)
 
 
 def _capture(fn: Callable[[], None]) -> Callable[[], None]:

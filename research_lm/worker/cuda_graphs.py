@@ -212,6 +212,10 @@ class GraphStep:
     out: torch.Tensor  # the forward's hidden states [num_tokens, hidden] (taps: the runner's HiddenStateTaps)
     logits: torch.Tensor | None  # [num_tokens, vocab] fp32, one row per token; None: not captured
     greedy_ids: torch.Tensor | None  # [num_tokens] int64, logits.argmax(-1); None: not captured
+    # A verify graph's greedy acceptance of every request's drafts (`DecodeGraphs` num_drafts), packed for the host
+    # copy over the graph's B requests: [B * q emitted (-1 after each request's) | B counts | B real drafts]; None:
+    # not captured. What plain-greedy verification would emit; the runner uses it only for such steps.
+    accepted: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -221,7 +225,8 @@ class DecodeGraphs:
     [n, vocab] fp32) and vocab_size, both or neither: with them the graphs also fill `logits` and
     `greedy_ids`; without, they hold the forward only. prefill_sizes: query lengths captured at B = 1 for
     one request's prompt or chunk, always forward only (`prefill` lists the captured ones). max_seq_len:
-    max_model_len."""
+    max_model_len. num_drafts ([R] int32, the device table of real drafts per request row): verify graphs also
+    accept each request's drafts greedily (`GraphStep.accepted`)."""
 
     def __init__(
         self,
@@ -236,10 +241,12 @@ class DecodeGraphs:
         compute_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
         vocab_size: int | None = None,
         prefill_sizes: Sequence[int] = (),
+        num_drafts: torch.Tensor | None = None,
         capture: Capture = cuda_graph_capture,
     ):
         assert (compute_logits is None) == (vocab_size is None), "compute_logits needs vocab_size"
         self.buffers = buffers
+        self.num_drafts = num_drafts
         # At most max_num_seqs requests and max_num_batched_tokens tokens per step.
         self.sizes: dict[int, list[int]] = {}  # query length -> captured batch sizes, ascending
         for q in sorted(set(query_lens)):
@@ -256,12 +263,15 @@ class DecodeGraphs:
         self.compute_logits = compute_logits
         self.logits: torch.Tensor | None = None  # [max(B * q), vocab] fp32
         self.greedy_ids: torch.Tensor | None = None  # [max(B * q)] int64
+        self.accepted: torch.Tensor | None = None  # [max(B * q) + 2 max B] int64: `GraphStep.accepted`'s buffer
         keys = sorted(((b, q) for q, bs in self.sizes.items() for b in bs), key=lambda k: k[0] * k[1])
         if compute_logits is not None and keys:
             device = buffers.input_ids.gpu.device
             rows = keys[-1][0] * keys[-1][1]
             self.logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
             self.greedy_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+            if num_drafts is not None and any(q > 1 for q in self.sizes):
+                self.accepted = torch.zeros(rows + 2 * buffers.max_num_reqs, dtype=torch.int64, device=device)
         pool = torch.cuda.graph_pool_handle() if capture is cuda_graph_capture else None
         keys = sorted(keys + [(1, q) for q in self.prefill], key=lambda k: k[0] * k[1])
         for b, q in reversed(keys):  # largest first: the smaller ones reuse its pool memory
@@ -286,6 +296,7 @@ class DecodeGraphs:
         input_ids, positions = buf.input_ids.gpu[:t], buf.positions.gpu[:t]
 
         logits_too = self.compute_logits is not None and q not in self.prefill
+        accept = logits_too and q > 1 and self.accepted is not None
 
         def step() -> Outputs:
             out = model(input_ids, positions, metadata)
@@ -293,6 +304,8 @@ class DecodeGraphs:
                 logits = self.logits[:t]
                 logits.copy_(self.compute_logits(out))  # out [t, hidden]; the buffer: every graph writes it
                 torch.argmax(logits, dim=-1, out=self.greedy_ids[:t])
+                if accept:
+                    self._accept(b, q)
             return out
 
         replay = capture(step, pool)
@@ -300,6 +313,22 @@ class DecodeGraphs:
         if logits_too:
             self.addresses[b, q] |= {"logits": self.logits.data_ptr(), "greedy_ids": self.greedy_ids.data_ptr()}
         return replay
+
+    def _accept(self, b: int, q: int) -> None:
+        """Greedy acceptance of the graph's b requests of q tokens (the newest token, then q - 1 draft slots, the
+        first num_drafts[row] of them real): drafts are kept while they equal the argmax of the row before them,
+        then that argmax is emitted. Padding requests (row -1) emit garbage that nothing reads."""
+        t, k = b * q, q - 1
+        target = self.greedy_ids[:t].view(b, q)
+        drafts = self.buffers.input_ids.gpu[:t].view(b, q)[:, 1:]
+        real = self.num_drafts[self.buffers.request_rows.gpu[:b].long().clamp(min=0)].long()
+        ok = (torch.arange(k, device=target.device) < real[:, None]) & (drafts == target[:, :k])
+        n_acc = ok.long().cumprod(dim=1).sum(dim=1)
+        packed = self.accepted
+        keep = torch.arange(q, device=target.device) <= n_acc[:, None]
+        packed[:t].view(b, q).copy_(torch.where(keep, target, -1))
+        packed[t : t + b].copy_(n_acc + 1)
+        packed[t + b : t + 2 * b].copy_(real)
 
     def key_for(self, num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
         """The captured (batch size, query length) a step of num_reqs requests replays, or None when it
@@ -346,4 +375,6 @@ class DecodeGraphs:
         out = self._replay[key]()[:t]
         if self.logits is None or key[1] in self.prefill:
             return GraphStep(out, None, None)
-        return GraphStep(out, self.logits[:t], self.greedy_ids[:t])
+        b, q = key
+        accepted = self.accepted[: b * q + 2 * b] if self.accepted is not None and q > 1 else None
+        return GraphStep(out, self.logits[:t], self.greedy_ids[:t], accepted)

@@ -16,6 +16,7 @@ import torch
 from research_lm.engine.request import Request
 from research_lm.ops import FUSED_DEVICE_TYPES
 from research_lm.ops.reference import advance_rows_ref, write_drafts_ref
+from research_lm.ops.step_inputs import RecurringLaunches
 from research_lm.worker.rng import to_device
 from research_lm.worker.spec import Drafts, TokenTable
 
@@ -66,6 +67,7 @@ class RequestState:
         self.stop_at = torch.full((max_num_reqs,), NEVER, dtype=torch.int64, device=device)  # [R] where max_tokens ends
         self.prompt_lens = np.zeros(max_num_reqs, dtype=np.int64)  # host: what penalties count as outputs
         self._new: list[tuple[int, Request]] = []
+        self.launches = RecurringLaunches(max_graphs=32)  # the table kernels' launches, replayed where they recur
 
     def row(self, request: Request) -> int:
         """The request's row; a new row's known tokens are written by the next `flush`."""
@@ -114,11 +116,18 @@ class RequestState:
                 ) -> None:
         """Fold a step into the tables: request i (table row rows[i]) appends emitted[i, :num_emitted[i]] and
         `num_computed` gains delta[i] (its tokens less its draft slots) plus the drafts it accepted."""
-        if self.device.type in FUSED_DEVICE_TYPES:
-            from research_lm.ops.step_inputs import advance_rows
-        else:
-            advance_rows = advance_rows_ref
-        advance_rows(self.token_ids, self.num_tokens, self.num_computed, rows, delta, emitted, num_emitted)
+        if self.device.type not in FUSED_DEVICE_TYPES:
+            advance_rows_ref(self.token_ids, self.num_tokens, self.num_computed, rows, delta, emitted, num_emitted)
+            return
+        from research_lm.ops.step_inputs import advance_rows, launch_key
+
+        def launch() -> None:
+            advance_rows(self.token_ids, self.num_tokens, self.num_computed, rows, delta, emitted, num_emitted)
+
+        if self.device.type != "cuda":  # (tests run the kernel on CPU under TRITON_INTERPRET)
+            launch()
+            return
+        self.launches(("advance", *launch_key(rows, delta, emitted, num_emitted)), launch)
 
     def write_drafts(self, rows: torch.Tensor, drafts: Drafts) -> list[int]:
         """Put the drafts right after their requests' tokens, with how many are real; rows [n]: each of the step's

@@ -58,6 +58,7 @@ class PendingStep:
     drafted: Drafts | None = None  # drafted at launch, on the device
     num_proposed: dict[str, int] | None = None  # then: request id -> draft slots of its next step (their count)
     verifies: bool = False
+    packed_rows: int = 0  # requests in `host`'s layout (a graph's padded batch, or the step's)
     t0: float = 0.0
     draft_ms: float | None = None
 
@@ -87,8 +88,7 @@ class ModelRunner:
         self.cache_layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
         self.cache_layers += list(proposer.cache_layers if proposer is not None else [])
         self.backends = list({layer.backend.name: layer.backend for layer in self.cache_layers}.values())
-        # A backend that plans from the host's lengths cannot serve a step launched on guessed ones (on CPU the
-        # gather overwrites the host's lengths with the exact ones: they are the same buffers).
+        # Planning on the host's lengths rules out steps launched on guessed ones (on CPU the gather writes them).
         self._plans_on_host = device.type != "cpu" and any(
             b.capabilities.graphs_plan_on_host or b.capabilities.eager_plans_on_host for b in self.backends)
         self.max_num_seqs = max_num_seqs
@@ -154,14 +154,15 @@ class ModelRunner:
                 block_size=self.block_size, max_seq_len=self.max_model_len,
                 compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
                 prefill_sizes=prefill_sizes if multi_token else (), capture=capture,
-            )
+                num_drafts=self.state.num_drafts if self.proposer is not None else None)
             if self.proposer is not None:  # the drafter's prompt graphs: the lengths the target's serve
                 graphs = self.cuda_graphs
                 self.proposer.capture_cuda_graphs(
                     sizes=sizes, prefill_sizes=graphs.prefill, capture=capture, block_size=self.block_size,
                     max_blocks_per_req=self.buffers.block_table.gpu.shape[1],
-                    verified_inputs=None if graphs.greedy_ids is None
-                    else (graphs.greedy_ids, self.buffers.input_ids.gpu, self.buffers.positions.gpu))
+                    **({} if graphs.greedy_ids is None else dict(  # what a "verified" draft graph reads and writes
+                        verified_inputs=(graphs.greedy_ids, self.buffers.input_ids.gpu, self.buffers.positions.gpu),
+                        tokens=self.state.table(self.buffers.request_rows.gpu))))
         return None
 
     # ---- one step -------------------------------------------------------------------------------
@@ -210,8 +211,7 @@ class ModelRunner:
         inputs = prepare_step_inputs(self.buffers, self.state, sched.scheduled, self.block_size, self.cuda_graphs,
                                      self._write_inputs)
         common = inputs.common
-        input_ids = self.buffers.input_ids.gpu[: common.num_tokens]
-        positions = self.buffers.positions.gpu[: common.num_tokens]
+        input_ids, positions = (x.gpu[: common.num_tokens] for x in (self.buffers.input_ids, self.buffers.positions))
         graph = None
         if inputs.graph_key is not None:
             graph = self.cuda_graphs.replay(inputs.graph_key, common)  # inputs already padded on the device
@@ -227,11 +227,12 @@ class ModelRunner:
             li = inputs.logits_indices
             logits = self.model.compute_logits(hidden if li is None else hidden[li])
 
-        step = PendingStep(sched, inputs=inputs, logits=logits, t0=t0)
-        step.verifies = any(s.num_spec_tokens for s in sched.scheduled)
-        emitted, num_emitted, num_real, step.batch, step.sampled = sample_or_verify(
+        step = PendingStep(sched, inputs=inputs, logits=logits, t0=t0,
+                           verifies=any(s.num_spec_tokens for s in sched.scheduled))
+        emitted, num_emitted, _, step.batch, step.sampled, packed, step.packed_rows = sample_or_verify(
             inputs, sched.scheduled, logits, greedy_ids, input_ids, verifies=step.verifies, state=self.state,
-            sampler=self.sampler, draft_probs=self.draft_probs, vocab_size=self.vocab_size)
+            sampler=self.sampler, draft_probs=self.draft_probs, vocab_size=self.vocab_size,
+            accepted=graph.accepted if graph is not None else None)
         self.state.advance(inputs.rows[: common.num_reqs], inputs.delta, emitted, num_emitted)
         if self.proposer is not None:
             step.outcome = StepOutcome(
@@ -246,8 +247,6 @@ class ModelRunner:
                 step.num_proposed = self._write_drafts(step.outcome, step.drafted)
                 step.draft_ms = (time.perf_counter() - t1) * 1e3
         # To the host: a plain step's sampled ids (the host knows its counts), a verify step's tokens and counts.
-        packed = emitted.view(-1) if not step.verifies else torch.cat(
-            [emitted.view(-1), num_emitted.to(torch.int64), num_real.to(torch.int64)])
         step.host, step.copied = self._host.start_copy(packed)
         self._latest = step
         return step
@@ -267,9 +266,10 @@ class ModelRunner:
         scheduled = step.sched.scheduled
         n = len(scheduled)
         host = step.host.numpy()
-        if step.verifies:
-            m = (len(host) - 2 * n) // n
-            counts, real = host[n * m : n * m + n], host[n * m + n :].tolist()
+        if step.verifies:  # [b * m emitted | b counts | b real drafts], b >= n (a graph's padded requests)
+            b = step.packed_rows
+            m = (len(host) - 2 * b) // b
+            counts, real = host[b * m : b * m + n], host[b * m + b : b * m + b + n].tolist()
             emitted = [row[:c].tolist() for row, c in zip(host[: n * m].reshape(n, m), counts, strict=True)]
         else:  # one sampled id per request that samples
             real, ids, emitted = [0] * n, host.tolist(), [[] for _ in scheduled]

@@ -20,13 +20,23 @@ class StepTokens(NamedTuple):
     num_real: torch.Tensor | None  # [n] int32: real drafts verified (a verify step)
     batch: SamplingBatch | None  # the sampling batch, where the step needed one (logprobs read it at collect)
     sampled: SamplerOutput | None  # a plain step's, for its logprobs
+    packed: torch.Tensor  # [b * m] or [b * m + 2b] int64, what the host copies: b requests' emitted tokens, then
+    # on a verify step their counts and real drafts (b: the step's n, or a verify graph's padded B)
+    packed_rows: int  # that b
 
 
 def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy_ids: torch.Tensor | None,
                      input_ids: torch.Tensor, *, verifies: bool, state: RequestState, sampler: Sampler,
-                     draft_probs: dict[str, torch.Tensor], vocab_size: int) -> StepTokens:
-    """Sample each sampling request's next token, or verify its drafts (`verifies`)."""
+                     draft_probs: dict[str, torch.Tensor], vocab_size: int, accepted: torch.Tensor | None = None
+                     ) -> StepTokens:
+    """Sample each sampling request's next token, or verify its drafts (`verifies`). accepted: the verify graph's
+    greedy acceptance (`GraphStep.accepted`), taken as it is where every request is a plain-greedy verify of the
+    graph's q tokens."""
     n, sampling, device = len(scheduled), inputs.sampling, logits.device
+    if verifies and accepted is not None and _graph_accepts(inputs, scheduled):
+        (b, q), t = inputs.graph_key, inputs.graph_key[0] * inputs.graph_key[1]
+        return StepTokens(accepted[:t].view(b, q)[:n], accepted[t : t + n], accepted[t + b : t + b + n], None, None,
+                          accepted, b)
     # Only some requests sample (others ran a prompt chunk): their rows among the step's, on the device.
     index = None if len(sampling) == n else to_device(sampling, torch.int64, device)
     batch = None
@@ -41,7 +51,7 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
         ids = sampled.token_ids
         if index is not None:
             ids = torch.zeros(n, dtype=torch.int64, device=device).index_copy_(0, index, ids)
-        return StepTokens(ids[:, None], inputs.samples, None, batch, sampled)
+        return StepTokens(ids[:, None], inputs.samples, None, batch, sampled, ids, n)
     table_rows = inputs.rows[:n] if index is None else inputs.rows[:n][index]
     emitted, num_emitted, num_real = verify_drafts(
         scheduled, sampling, inputs.common.query_start_loc_cpu.numpy(), logits, greedy_ids, input_ids,
@@ -50,7 +60,16 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
         emitted = torch.full((n, emitted.shape[1]), -1, dtype=torch.int64, device=device).index_copy_(0, index, emitted)
         num_emitted = torch.zeros(n, dtype=torch.int32, device=device).index_copy_(0, index, num_emitted)
         num_real = torch.zeros(n, dtype=torch.int32, device=device).index_copy_(0, index, num_real)
-    return StepTokens(emitted, num_emitted, num_real, batch, None)
+    packed = torch.cat([emitted.view(-1), num_emitted.to(torch.int64), num_real.to(torch.int64)])
+    return StepTokens(emitted, num_emitted, num_real, batch, None, packed, n)
+
+
+def _graph_accepts(inputs: StepInputs, scheduled) -> bool:
+    """Every request a plain-greedy verify of the graph's q tokens, without logprobs."""
+    q = inputs.graph_key[1]
+    return (len(inputs.sampling) == len(scheduled) and inputs.common.num_tokens == q * len(scheduled)
+            and all(s.num_spec_tokens == q - 1 and plain_greedy(r := s.request) and r.sampling_params.logprobs is None
+                    for s in scheduled))
 
 
 def sampling_batch(sample_rows: list[tuple[int, int]], scheduled, state: RequestState, vocab_size: int,

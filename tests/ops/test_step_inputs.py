@@ -195,7 +195,7 @@ def test_step_input_writer_replays_what_it_launched():
     """The same key (b = 4, t_pad = 16, decode/verify grid) five times with new rows, starts, query lengths and
     table contents: on CUDA the second call captures and the third on replays one graph."""
     writer = _writer_replays(device(), [[4, 4, 4], [1, 4], [4, 4, 4, 4], [2], [3, 1, 4]], b=4, t_pad=16)
-    assert len(writer.graphs) == (1 if device().type == "cuda" else 0)
+    assert len(writer.launches.graphs) == (1 if device().type == "cuda" else 0)
 
 
 @pytest.mark.gpu
@@ -218,4 +218,4 @@ def test_step_kernels_on_cuda_at_real_shapes():
     advance_rows(*args)
     assert all(torch.equal(g, w) for g, w in zip(args[:3], want, strict=True))
     writer = _writer_replays(dev, [[1, 1, 1], [1], [1, 1], [1, 1, 1, 1], [1]], b=4, t_pad=4)
-    assert len(writer.graphs) == 1
+    assert len(writer.launches.graphs) == 1

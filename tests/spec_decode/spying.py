@@ -7,8 +7,16 @@ from research_lm.worker.spec import Drafts, StepOutcome
 
 
 def draft_values(outcome: StepOutcome, drafts: Drafts) -> dict[str, list[int]]:
-    """Request id -> its real drafts ([] where it drafted none)."""
+    """Request id -> its real drafts ([] where it drafted none); drafts the proposer wrote into the token table
+    (`Drafts.in_table`) are read from there: the real ones after each request's tokens."""
     out = {r.request_id: [] for r in outcome.requests}
+    if drafts.in_table:
+        table = outcome.tokens
+        for i in drafts.index:
+            row = int(table.rows[i])
+            start, num = int(table.num_tokens[row]), int(table.num_drafts[row])
+            out[outcome.requests[i].request_id] = table.token_ids[row, start : start + num].tolist()
+        return out
     k = drafts.token_ids.shape[1]
     nums = drafts.num if drafts.num is not None else [k] * len(drafts.index)
     nums = nums.tolist() if hasattr(nums, "tolist") else nums

@@ -18,6 +18,7 @@ import torch
 import research_lm.ops
 from research_lm import LLM, SamplingParams
 from research_lm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
+from research_lm.worker.spec import TokenTable
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 from tests.spec_decode.spying import draft_values
 from tests.spec_decode.test_draft_model import _variant
@@ -233,27 +234,30 @@ def _with_verify_graphs(llm: LLM) -> list[int]:
         block_size=runner.block_size, max_seq_len=runner.max_model_len, compute_logits=runner.model.compute_logits,
         vocab_size=runner.vocab_size, capture=eager_capture)
     runner.proposer.propose_on_device = _counting(runner.proposer.propose_on_device, early)
-    # As the runner captures them: the "verified" graphs read the verify graphs' argmax and input ids in place.
+    # As the runner captures them: the "verified" graphs read the verify graphs' argmax and input ids in place and
+    # write the drafts into the runner's token table.
     runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=eager_capture, block_size=runner.block_size,
                                         max_blocks_per_req=runner.buffers.block_table.gpu.shape[1],
                                         verified_inputs=(runner.cuda_graphs.greedy_ids, runner.buffers.input_ids.gpu,
-                                                         runner.buffers.positions.gpu))
-    assert runner.proposer.graphs.verified_in_place
+                                                         runner.buffers.positions.gpu),
+                                        tokens=runner.state.table(runner.buffers.request_rows.gpu))
+    assert runner.proposer.graphs.verified_in_place and runner.proposer.graphs.drafts_verified
     return early
 
 
 def _counting(propose_on_device, early: list[int]):
-    """`propose_on_device`, noting the batch size of every step it drafts at launch."""
+    """`propose_on_device`, noting the batch size of every step it drafts at launch (into the token table)."""
     def spy(outcome):
         drafts = propose_on_device(outcome)
         if drafts is not None:
+            assert drafts.in_table
             early.append(len(outcome.requests))
         return drafts
     return spy
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
-@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
 def test_greedy_verify_steps_draft_before_the_host_sees_their_tokens(kind, tiny_checkpoint, tmp_path):
     """An all-greedy step where every request verifies k drafts from a graph drafts from the "verified" graph right
     behind it: acceptance, entry rows, last rows and budgets computed on the device from the verify's argmax. The
@@ -276,86 +280,137 @@ def test_greedy_verify_steps_draft_before_the_host_sees_their_tokens(kind, tiny_
     assert any(0 < len(d) < K for p, _ in proposals for d in p.values())  # budgets below k were cut
 
 
-def _verified_against_entry(proposer, device: str) -> None:
-    """The "verified" rule over a verify step's argmax g and input x (request i accepting 0, 1 and k drafts, rooms
-    cutting budgets) drafts and writes the drafter's KV exactly as the "argmax" rule over the rows the host would
-    enter: the emitted tokens g[i, :n_acc + 1] at positions c .. c + n_acc, budgets min(k, room - n_acc - 2)."""
-    graphs, gen = proposer.graphs, torch.Generator().manual_seed(3)
-    q, n_acc, starts, rooms = K + 1, [0, 1, K], [3, 7, 0], [20, 4, 20]
-    n, t = len(n_acc), len(n_acc) * q
+NEVER = 1 << 40
+
+
+def _table(device: str, rows: list[int], num_tokens: list[int], num_drafts: list[int], stop_at: list[int],
+           size: int) -> TokenTable:
+    """A token table of 8 rows (random tokens) whose request-rows buffer holds `rows` then stale real rows (7) up to
+    `size`: the graph must write nothing for padding."""
+    table = TokenTable(torch.randint(V, (8, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(9)),
+                       torch.zeros(8, dtype=torch.int32), torch.full((size,), 7, dtype=torch.int32),
+                       torch.full((8,), K, dtype=torch.int32), torch.full((8,), NEVER, dtype=torch.int64))
+    index = torch.tensor(rows)
+    table.rows[: len(rows)] = index.int()
+    table.num_tokens[index] = torch.tensor(num_tokens, dtype=torch.int32)
+    table.num_drafts[index] = torch.tensor(num_drafts, dtype=torch.int32)
+    table.stop_at[index] = torch.tensor(stop_at)
+    return TokenTable(*(x.to(device) for x in (table.token_ids, table.num_tokens, table.rows, table.num_drafts,
+                                                table.stop_at)))
+
+
+def _verified_against_entry(proposer, device: str, capture) -> None:
+    """The "verified" rule over a verify step's argmax g and input x (requests accepting 0, 1 and k drafts, and one
+    whose x matches g everywhere but which verified only k - 1 real drafts; the second's room and the fourth's
+    max_tokens cut their budgets) drafts and writes the drafter's KV exactly as the "argmax" rule over the rows the
+    host would enter: the emitted tokens g[i, :n_acc + 1] at positions c + s .. c + s + n_acc (s: 0 for EAGLE, 1 for a
+    draft model), budgets `draft_budget`. It writes each request's k drafts after its tokens in the token table and
+    its budget into num_drafts, at the request's table row, and nothing for the padding rows."""
+    gen = torch.Generator().manual_seed(3)
+    q, n_acc, starts = K + 1, [0, 1, K, K - 1], [3, 7, 0, 2]
+    n, t, max_len = len(n_acc), len(n_acc) * q, proposer.max_model_len
+    rows, filled = [5, 2, 6, 0], [10, max_len - 2, 12, 9]  # table rows (out of order); tokens after the step
+    table = _table(device, rows, filled, [K, K, K, K - 1], [NEVER, NEVER, NEVER, 9], size=8)
+    proposer.capture_cuda_graphs(sizes=[8], capture=capture, block_size=4, max_blocks_per_req=12, tokens=table)
+    graphs, shift = proposer.graphs, proposer.graphs.entry_shift
     g = torch.randint(V, (n, q), generator=gen)
     x = torch.randint(V, (n, q), generator=gen)
     for i, a in enumerate(n_acc):
         x[i, 1 : a + 1] = g[i, :a]
         if a < K:
             x[i, a + 1] = (g[i, a] + 1) % V
-    features = torch.randn(t, graphs.features.shape[1], generator=gen).to(device, graphs.features.dtype)
+    x[3, 1:] = g[3, :K]  # all k match, but only k - 1 are real drafts
+    features = None if graphs.features is None else torch.randn(
+        t, graphs.features.shape[1], generator=gen).to(device, graphs.features.dtype)
     block_table = torch.arange(1, 1 + n * 4, dtype=torch.int32, device=device).view(n, 4)  # 16 slots each
-    budgets = [max(0, min(K, r - a - 2)) for r, a in zip(rooms, n_acc)]
-    assert budgets == [K, 1, K]  # the second cut by its room
+    budgets = [K, 1, K, 0]  # the second cut by its room, the fourth by max_tokens
+    before = (table.token_ids.clone(), table.num_drafts.clone())
 
-    def drafted(**run) -> tuple[list[list[int]], list[torch.Tensor]]:
-        for layer in proposer.cache_layers:
-            layer.kv_cache.zero_()
-        graphs.run(block_table, range(n), starts=starts, **run)
-        drafts = graphs.drafts(range(n)).cpu()
-        kv = [layer.kv_cache.clone() for layer in proposer.cache_layers]
-        return [drafts[i, :b].tolist() for i, b in enumerate(budgets)], kv
+    def kv() -> list[torch.Tensor]:
+        return [layer.kv_cache.clone() for layer in proposer.cache_layers]
 
-    want_drafts, want_kv = drafted(
-        tokens=[tok for i, a in enumerate(n_acc) for tok in g[i, : a + 1].tolist()], lens=[a + 1 for a in n_acc],
-        budgets=budgets, features=lambda rows, out: out.copy_(features[rows]),
-        feature_rows=[i * q + j for i, a in enumerate(n_acc) for j in range(a + 1)])
+    for layer in proposer.cache_layers:
+        layer.kv_cache.zero_()
+    entered = [i * q + j for i, a in enumerate(n_acc) for j in range(a + 1)]  # the rows of the emitted tokens
+    graphs.run(block_table, range(n), g.view(-1)[entered].tolist(), [c + shift for c in starts],
+               [a + 1 for a in n_acc], budgets, feature_rows=None if features is None else entered,
+               features=None if features is None else lambda rows, out: out.copy_(features[rows]))
+    want_drafts, want_kv = graphs.drafts(range(n)).cpu(), kv()
+    for layer in proposer.cache_layers:
+        layer.kv_cache.zero_()
     positions = (torch.tensor(starts)[:, None] + torch.arange(q)).view(-1)
-    got_drafts, got_kv = drafted(tokens=(), lens=[q] * n, budgets=rooms, features=lambda _, out: out.copy_(features),
-                                 verified=(g.view(-1).to(device), x.view(-1).to(device), positions.to(device)))
-    assert got_drafts == want_drafts and all(len(d) for d in got_drafts)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_kv, want_kv, strict=True))
+    graphs.run_verified(block_table, (g.view(-1).to(device), x.view(-1).to(device), positions.to(device)),
+                        None if features is None else lambda out: out.copy_(features))
+    got_drafts = graphs.drafts(range(n)).cpu()
+    assert [got_drafts[i, :b].tolist() for i, b in enumerate(budgets)] == [
+        want_drafts[i, :b].tolist() for i, b in enumerate(budgets)]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(kv(), want_kv, strict=True))
+    token_ids, num_drafts = table.token_ids.cpu(), table.num_drafts.cpu()
+    assert num_drafts[rows].tolist() == budgets
+    for i, (row, f) in enumerate(zip(rows, filled, strict=True)):
+        assert token_ids[row, f : f + K].tolist() == got_drafts[i].tolist()
+        assert torch.equal(token_ids[row, :f], before[0][row, :f].cpu())
+    assert torch.equal(token_ids[7], before[0][7].cpu()) and num_drafts[7] == before[1][7]  # padding: nothing
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
-@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
 def test_the_verified_rule_enters_the_accepted_tokens(kind, tiny_checkpoint, tmp_path):
     checkpoint = tiny_checkpoint("llama")
     _, llm = _pair(str(checkpoint), _spec(kind, tmp_path, checkpoint), "cpu", eager_capture)
-    _verified_against_entry(llm.engine.runner.proposer, "cpu")
+    _verified_against_entry(llm.engine.runner.proposer, "cpu", eager_capture)
 
 
 def _bookkeeping_cases(device: str, width: int) -> list[dict]:
     """`DraftGraphs.run` arguments for 3 requests: entries of 1, 2 and 4 rows with budgets k, 1 and 0 ("argmax"),
-    then the same with the "sample" rule, then "verified" with 0, 1 and k drafts accepted and one room cut."""
+    then the same with the "sample" rule; then `run_verified` arguments with 0, 1 and k - 1 drafts accepted (the
+    last matches all k, but verified k - 1 real ones: `_bookkeeping_table`)."""
     gen = torch.Generator().manual_seed(4)
     q, n = K + 1, 3
     g, x = torch.randint(V, (n, q), generator=gen), torch.randint(V, (n, q), generator=gen)
-    x[0, 1], x[1, 1], x[1, 2], x[2, 1:] = g[0, 0] + 1, g[1, 0], g[1, 1] + 1, g[2, :K]  # 0, 1 and k accepted
+    x[0, 1], x[1, 1], x[1, 2], x[2, 1:] = g[0, 0] + 1, g[1, 0], g[1, 1] + 1, g[2, :K]  # 0, 1 and k match
     features = torch.randn(n * q, width, generator=gen)
-    common = dict(starts=[3, 7, 0], features=lambda rows, out: out.copy_(features[rows.cpu() % (n * q)]))
-    positions = (torch.tensor(common["starts"])[:, None] + torch.arange(q)).view(-1)
-    packed = dict(tokens=[5, 6, 7, 8, 9, 10, 11], lens=[1, 2, 4], budgets=[K, 1, 0], feature_rows=list(range(7)))
+    block_table = torch.arange(1, 13, dtype=torch.int32, device=device).view(3, 4)
+    starts = [3, 7, 0]
+    positions = (torch.tensor(starts)[:, None] + torch.arange(q)).view(-1)
+    packed = dict(block_table=block_table, rows=range(3), starts=starts, tokens=[5, 6, 7, 8, 9, 10, 11],
+                  lens=[1, 2, 4], budgets=[K, 1, 0], feature_rows=list(range(7)),
+                  features=lambda rows, out: out.copy_(features[rows.cpu() % (n * q)]))
     sampling = DraftSampling(temperature=[1.0, 0.5, 1.0], greedy=[True, False, False], seeds=[1, 2, 3],
                              positions=[4, 5, 6])
-    return [common | packed, common | packed | dict(sampling=sampling),
-            common | dict(tokens=(), lens=[q] * n, budgets=[20, 4, 20], features=lambda _, out: out.copy_(features),
-                          verified=(g.view(-1).to(device), x.view(-1).to(device), positions.to(device)))]
+    return [packed, packed | dict(sampling=sampling),
+            dict(block_table=block_table, features=lambda out: out.copy_(features),
+                 verified=(g.view(-1).to(device), x.view(-1).to(device), positions.to(device)))]
+
+
+def _bookkeeping_table(device: str) -> TokenTable:
+    """Table rows 2, 0, 3 (padding: the stale row 7); budgets k, 1 (room) and 0 (max_tokens) after the step."""
+    return _table(device, [2, 0, 3], [10, 48 - 2, 12], [K, K, K - 1], [NEVER, NEVER, 12], size=4)
 
 
 def _bookkeeping_of(proposer, device: str, fused: bool, monkeypatch) -> list[dict[str, torch.Tensor]]:
     """Every record a replay leaves (entry, chain, last rows), the drafts (the padding row's are noise: its chain
     attends over nothing) and the drafter's KV, per case, from graphs
     captured with the bookkeeping kernel (`fused`) or the torch path; the rest of the forward stays on torch."""
+    table = _bookkeeping_table(device)
     with monkeypatch.context() as mp:
         mp.setattr(research_lm.ops, "FUSED_DEVICE_TYPES", (device,) if fused else ())
-        proposer.capture_cuda_graphs(sizes=[4], capture=eager_capture, block_size=4, max_blocks_per_req=12)
+        proposer.capture_cuda_graphs(sizes=[4], capture=eager_capture, block_size=4, max_blocks_per_req=12,
+                                     tokens=table)
     graphs, out = proposer.graphs, []
-    block_table = torch.arange(1, 13, dtype=torch.int32, device=device).view(3, 4)
     for case in _bookkeeping_cases(device, graphs.features.shape[1]):
         for layer in proposer.cache_layers:
             layer.kv_cache.zero_()
-        graphs.run(block_table, range(3), **case)
+        if "verified" in case:
+            graphs.run_verified(**case)
+        else:
+            graphs.run(**case)
         out.append({name: getattr(graphs, name).clone() for name in (
             "entry_qsl", "entry_seq_lens", "entry_slots", "query_start_loc", "seq_lens", "slot_mapping", "positions",
-            )} | {"drafts": graphs.drafts(range(3)), "last": graphs.last_rows[:3].clone() if fused else None,
-                  "kv": torch.stack([layer.kv_cache for layer in proposer.cache_layers])})
+            "table_rows")} | {
+            "drafts": graphs.drafts(range(3)), "last": graphs.last_rows[:3].clone() if fused else None,
+            "kv": torch.stack([layer.kv_cache for layer in proposer.cache_layers]),
+            "token_ids": table.token_ids.clone(), "num_drafts": table.num_drafts.clone()})
     return out
 
 
@@ -364,8 +419,8 @@ def _bookkeeping_of(proposer, device: str, fused: bool, monkeypatch) -> list[dic
     pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_bookkeeping_kernel_writes_what_the_torch_path_writes(device, tiny_checkpoint, tmp_path, monkeypatch):
     """spec_decode/draft_bookkeeping.py (under the interpreter on CPU): every entry and chain record, and so the
-    drafts and the drafter's KV, equal the torch path's for the "argmax", "sample" and "verified" rules (padding
-    row included)."""
+    drafts, the drafter's KV and ("verified") the token table, equal the torch path's for the "argmax", "sample" and
+    "verified" rules (padding row included)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     checkpoint = tiny_checkpoint("llama")
@@ -377,7 +432,9 @@ def test_the_bookkeeping_kernel_writes_what_the_torch_path_writes(device, tiny_c
         for name in w:
             if name != "last":
                 assert torch.equal(w[name], g[name]), (case, name)
-    assert got[2]["last"].tolist() == [0, 4 + 1, 8 + K]  # "verified": 0, 1 and k accepted
+    assert got[2]["last"].tolist() == [0, 4 + 1, 8 + K - 1]  # "verified": 0, 1 and k - 1 accepted
+    assert got[2]["num_drafts"][[2, 0, 3, 7]].tolist() == [K, 1, 0, K]  # the budgets; the padding's stale row kept
+    assert got[2]["table_rows"].tolist() == [2, 0, 3, -1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
@@ -460,7 +517,7 @@ def test_graph_chain_matches_eager_on_cuda(kind, sampled, tiny_checkpoint, tmp_p
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "draft_model"])
 def test_drafting_before_verification_on_cuda(kind, tiny_checkpoint, tmp_path):
     """Real graphs: the "verified" rule against the entry rows, and whole greedy runs with the target's verify
     graphs on (every step that can drafts early) against the eager chain and plain decoding."""
@@ -469,7 +526,7 @@ def test_drafting_before_verification_on_cuda(kind, tiny_checkpoint, tmp_path):
     checkpoint = tiny_checkpoint("llama")
     spec = {**_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}
     eager, graphed = _pair(str(checkpoint), spec, "cuda", cuda_graph_capture)
-    _verified_against_entry(graphed.engine.runner.proposer, "cuda")
+    _verified_against_entry(graphed.engine.runner.proposer, "cuda", cuda_graph_capture)
     # graphs on: verify and draft; synchronous, so that every step hands out its proposal (`_run` checks them)
     llm = LLM(str(checkpoint), device="cuda", speculative_config=spec, async_scheduling=False, **KNOBS)
     proposer, early = llm.engine.runner.proposer, []
