@@ -13,7 +13,8 @@ hits both alike. Every case goes through the public API (`LLM`, `SamplingParams`
   and 256 output tokens, ms per output token after the first (RequestOutput.metrics), best of 2 after a warm-up;
 - throughput: the same model, bench_throughput's nano-vllm workload (256 random prompts, input and output lengths
   uniform in [100, 1024], greedy, ignore_eos), output tok/s over the whole batch;
-- spec_<method>_b<batch>: the built-in tiny-llama and its shipped EAGLE-3 head (or ngram), k = 5, greedy, code
+- spec_<method>_b<batch>: the built-in tiny-llama and its shipped EAGLE-3 head (ngram; draft_model: tiny-llama
+  drafting for itself, so every draft is accepted), k = 5, greedy, code
   prompts from the corpus, 384 output tokens (`--spec-tokens`), max_num_seqs = the batch (fewer graphs to
   capture): output tok/s with speculation over output tok/s without, both built in the subprocess (the
   speedup), with tau. The GPU reference target of spec_ablation_h200 needs ~8.5 min of training on a fresh
@@ -37,7 +38,8 @@ HERE = Path(__file__).resolve()
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                     rope_theta=500000.0, tie_word_embeddings=True, torch_dtype="bfloat16")
-SPEC = [("eagle3", 1), ("eagle3", 8), ("eagle3", 32), ("ngram", 1), ("ngram", 32)]
+SPEC = [("eagle3", 1), ("eagle3", 8), ("eagle3", 32), ("ngram", 1), ("ngram", 32), ("draft_model", 1),
+        ("draft_model", 32)]
 
 
 def cases() -> list[str]:
@@ -107,6 +109,8 @@ def measure_spec(method: str, batch: int) -> dict:
     spec = {"method": method, "num_speculative_tokens": 5}
     if method == "eagle3":
         spec["model"] = str(assets / "tiny-llama-eagle3")
+    elif method == "draft_model":  # the target drafting for itself: every draft accepted, the mechanism's cost shows
+        spec["model"] = target
     else:
         spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
     runs = {}
@@ -134,7 +138,7 @@ def measure(case: str) -> dict:
         return measure_decode_b1()
     if case == "throughput":
         return measure_throughput()
-    _, method, batch = case.split("_")
+    method, batch = case.removeprefix("spec_").rsplit("_", 1)
     return measure_spec(method, int(batch[1:]))
 
 
