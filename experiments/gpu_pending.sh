@@ -64,6 +64,9 @@
 # (passed; tests/engine/test_launch_never_waits.py launches under sync-debug mode) and the ab_issue28_stage4 A/Bs.
 # Not run at 1014c3f: tests/attention_zoo -m gpu (flashinfer / mla / mamba graph engine tests over the new gather),
 # the TP and EP GPU tests above, spec_ablation_h200 (the reference target) with ngram / Medusa now launching ahead.
+# Session 23 (one H200; issue 28 stage 5) ran `pytest -m gpu tests/spec_decode tests/engine tests/test_cuda_graphs.py
+# tests/ops tests/test_sampler.py tests/test_rejection_sampler.py` and tests/attention_zoo/test_mla_triton.py at 61cad69
+# (passed) and the ab_issue28_stage5 A/Bs. Not run since stage 4: the rest of tests/attention_zoo -m gpu.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo

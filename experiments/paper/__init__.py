@@ -137,6 +137,21 @@ TABLES: dict[str, Table] = {
         bench="ab_commits", args=("--old", "8f3c88e", "--case", "spec_eagle3_b1", "--case", "spec_eagle3_b32",
                                   "--case", "spec_ngram_b1", "--case", "spec_ngram_b32", "--spec-repeats", "2"),
     ),
+    "ab_issue28_stage5_h200": Table(
+        what="A/B of issue 28's stage 5 (greedy verification inside the verify graph, the tables' advance and the "
+             "draft write replayed from small graphs, draft_model drafting at launch) against 8f3c88e, the redesign's "
+             "start (`git archive`): batch-1 decode ms/token and nano-vllm tok/s, public API",
+        device="cuda", measured_on="NVIDIA H200", minutes="~4 min (2 repeats)",
+        bench="ab_commits", args=("--old", "8f3c88e", "--case", "decode_b1", "--case", "throughput", "--repeats", "2"),
+    ),
+    "ab_issue28_stage5_spec_h200": Table(
+        what="the same A/B on the speedups of the shipped tiny pair's EAGLE-3 head, ngram and draft_model (tiny-llama "
+             "drafting for itself) at batch 1 and 32 (k = 5, greedy, 256 tokens)",
+        device="cuda", measured_on="NVIDIA H200", minutes="~5 min (1 repeat)",
+        bench="ab_commits", args=("--old", "8f3c88e", "--spec-tokens", "256", "--case", "spec_eagle3_b1",
+                                  "--case", "spec_eagle3_b32", "--case", "spec_ngram_b1", "--case", "spec_ngram_b32",
+                                  "--case", "spec_draft_model_b1", "--case", "spec_draft_model_b32"),
+    ),
     "moe_routing_skew": Table(
         what="routing skew and code-vs-prose drift of small Qwen3-MoE / Qwen2-MoE (shared expert) models trained here "
              "vs random init; rewrites research_lm/assets/moe_traces",
