@@ -92,7 +92,7 @@ import research_lm.ops
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.ops.reference import write_drafts_ref
 from research_lm.worker import rng
-from research_lm.worker.cuda_graphs import Capture
+from research_lm.worker.cuda_graphs import Capture, GraphPool
 from research_lm.worker.sampler import apply_temperature, random_sample
 from research_lm.worker.spec import TokenTable
 
@@ -168,7 +168,7 @@ class DraftGraphs:
         max_seq_len: int,
         features: tuple[int, torch.dtype] | None,  # (F, dtype) of the entry features, or None
         device: torch.device,
-        capture: Capture,
+        capture: Capture | GraphPool,
         # The target's argmax, input-id and position buffers (1-D int64, the verify graphs' and the runner's), which
         # a "verified" graph then reads in place; None (or too short): it reads copies in its own buffers
         verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -230,12 +230,12 @@ class DraftGraphs:
         self._entry, self._step, self._logits, self._argmax = entry, step, logits, argmax
         self._backends = {layer.backend.name: layer.backend for layer in layers}
         self._max_seq_len = max_seq_len
-        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.pool = pool = GraphPool.of(capture)  # the runner's, where it hands its pool over
         rules = ("argmax", "sample", "verified") if self.drafts_verified else ("argmax", "sample")
         for lay in sorted(layouts, key=lambda lay: -lay.t):  # largest first: the smaller ones reuse its pool memory
             for rule in rules if lay.q == q else rules[:2]:
                 self._fill_for_capture(lay)
-                self._replay[lay, rule] = capture(self._draft_fn(lay, rule), pool)
+                self._replay[lay, rule] = pool(self._draft_fn(lay, rule))
 
     def _record(self, qsl, seq_lens, slots, num_reqs: int, num_tokens: int, max_query_len: int) -> dict[str, Any]:
         """Each backend's metadata over these buffers, built once at capture."""

@@ -35,7 +35,7 @@ from torch import nn
 from research_lm.engine.request import Request
 from research_lm.models.base import CheckpointError
 from research_lm.models.loader import load_model
-from research_lm.worker.cuda_graphs import Capture, uncapturable_reason
+from research_lm.worker.cuda_graphs import Capture, GraphPool, uncapturable_reason
 from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, TokenTable, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
@@ -149,7 +149,8 @@ class DraftModelProposer(Proposer):
             self._fed[req.request_id] = (newest[i] + 1, toks[:-1])  # d(k) was never fed
         return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
-    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
+    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture | GraphPool, block_size: int,
+                            max_blocks_per_req: int,
                             verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             tokens: TokenTable | None = None, prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the

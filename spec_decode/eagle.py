@@ -54,7 +54,7 @@ from research_lm.models.layers import (
 from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, LlamaVariant, head_size
 from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
-from research_lm.worker.cuda_graphs import Capture, uncapturable_reason
+from research_lm.worker.cuda_graphs import Capture, GraphPool, uncapturable_reason
 from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, TokenTable, register_proposer
 from spec_decode.draft_graphs import DraftGraphs
 from spec_decode.heads import (
@@ -362,7 +362,8 @@ class EagleProposer(Proposer):
         drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last])
         return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
-    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture, block_size: int, max_blocks_per_req: int,
+    def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture | GraphPool, block_size: int,
+                            max_blocks_per_req: int,
                             verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             tokens: TokenTable | None = None, prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the

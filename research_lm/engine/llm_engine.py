@@ -181,8 +181,9 @@ class LLMEngine:
         blocks = -(-n // c.block_size)
         self.runner.allocate_kv_cache(blocks + 1, self.info.dtype)
         req = Request("profile", [0] * n, SamplingParams(temperature=0.0, max_tokens=1), seed=0)
-        self.runner.execute(SchedulerOutput([ScheduledRequest(req, n, list(range(1, blocks + 1)))]))
-        self.runner.execute(SchedulerOutput([], finished_req_ids={"profile"}))
+        for sched in (SchedulerOutput([ScheduledRequest(req, n, list(range(1, blocks + 1)))]),
+                      SchedulerOutput([], finished_req_ids={"profile"})):
+            self.runner.collect(self.runner.launch(sched))
         self.runner.allocate_kv_cache(0, self.info.dtype)
 
     # ---- requests -------------------------------------------------------------------------------

@@ -205,6 +205,28 @@ def eager_capture(fn: Callable[[], Outputs], pool: Any) -> Callable[[], Outputs]
     return fn
 
 
+class GraphPool:
+    """The one CUDA-graph mechanism: every graph a runner replays (the target's decode / verify / prefill graphs and
+    each drafter's, each owner keying its own by shape) is captured through one pool, into one memory pool. Graphs
+    replay one at a time on one stream, so a capture may reuse the memory an earlier capture freed; what a graph
+    returns stays allocated for its replays. `capture` (`cuda_graph_capture`, or `eager_capture` on CPU) records."""
+
+    def __init__(self, capture: Capture = cuda_graph_capture):
+        self._capture = capture
+        self._memory = torch.cuda.graph_pool_handle() if capture is cuda_graph_capture else None
+        self.num_graphs = 0
+
+    def __call__(self, fn: Callable[[], Outputs]) -> Callable[[], Outputs]:
+        """fn captured; its replay."""
+        self.num_graphs += 1
+        return self._capture(fn, self._memory)
+
+    @classmethod
+    def of(cls, capture: Capture | GraphPool) -> GraphPool:
+        """The pool a graph owner captures through: the runner's, or its own around a bare capture (tests)."""
+        return capture if isinstance(capture, GraphPool) else cls(capture)
+
+
 @dataclass
 class GraphStep:
     """What a replay leaves for the runner: views of token rows 0 .. num_tokens, valid until the next replay."""
@@ -242,7 +264,7 @@ class DecodeGraphs:
         vocab_size: int | None = None,
         prefill_sizes: Sequence[int] = (),
         num_drafts: torch.Tensor | None = None,
-        capture: Capture = cuda_graph_capture,
+        capture: Capture | GraphPool = cuda_graph_capture,
     ):
         assert (compute_logits is None) == (vocab_size is None), "compute_logits needs vocab_size"
         self.buffers = buffers
@@ -272,13 +294,13 @@ class DecodeGraphs:
             self.greedy_ids = torch.zeros(rows, dtype=torch.int64, device=device)
             if num_drafts is not None and any(q > 1 for q in self.sizes):
                 self.accepted = torch.zeros(rows + 2 * buffers.max_num_reqs, dtype=torch.int64, device=device)
-        pool = torch.cuda.graph_pool_handle() if capture is cuda_graph_capture else None
+        self.pool = pool = GraphPool.of(capture)
         keys = sorted(keys + [(1, q) for q in self.prefill], key=lambda k: k[0] * k[1])
         for b, q in reversed(keys):  # largest first: the smaller ones reuse its pool memory
-            self._replay[b, q] = self._capture_one(model, backends, b, q, block_size, max_seq_len, capture, pool)
+            self._replay[b, q] = self._capture_one(model, backends, b, q, block_size, max_seq_len, pool)
 
     @torch.inference_mode()
-    def _capture_one(self, model, backends, b, q, block_size, max_seq_len, capture, pool):
+    def _capture_one(self, model, backends, b, q, block_size, max_seq_len, pool: GraphPool):
         buf, t = self.buffers, b * q
         # b requests of q tokens at positions 0 .. q-1 of the null block 0, writing no KV.
         pad_step_inputs(buf, 0, 0, b, t)
@@ -308,7 +330,7 @@ class DecodeGraphs:
                     self._accept(b, q)
             return out
 
-        replay = capture(step, pool)
+        replay = pool(step)
         self.addresses[b, q] = buffer_addresses(buf, common)
         if logits_too:
             self.addresses[b, q] |= {"logits": self.logits.data_ptr(), "greedy_ids": self.greedy_ids.data_ptr()}

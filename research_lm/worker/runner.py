@@ -26,6 +26,7 @@ from research_lm.worker.compilation import compile_forward
 from research_lm.worker.cuda_graphs import (
     Capture,
     DecodeGraphs,
+    GraphPool,
     cuda_graph_capture,
     default_capture_sizes,
     default_prefill_sizes,
@@ -149,6 +150,7 @@ class ModelRunner:
         if prefill_sizes is None:
             prefill_sizes = default_prefill_sizes(self.buffers.max_num_tokens)
         with gc_frozen() if capture is cuda_graph_capture else nullcontext():
+            capture = GraphPool(capture)  # one memory pool for the target's graphs and the drafter's
             self.cuda_graphs = DecodeGraphs(
                 self.forward, self.buffers, self.backends, sizes=sizes, query_lens=query_lens,
                 block_size=self.block_size, max_seq_len=self.max_model_len,
@@ -166,10 +168,6 @@ class ModelRunner:
         return None
 
     # ---- one step -------------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run one step to the end (launch, then collect)."""
-        return self.collect(self.launch(sched))
-
     def reset(self) -> None:
         """Forget every request and every launched step, after a step failed on the host (the scheduler preempts
         its requests: `Scheduler.recover`): their rows, draft q and the proposer's state go."""

@@ -17,7 +17,7 @@ import torch
 
 import research_lm.ops
 from research_lm import LLM, SamplingParams
-from research_lm.worker.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
+from research_lm.worker.cuda_graphs import DecodeGraphs, GraphPool, cuda_graph_capture, eager_capture
 from research_lm.worker.spec import TokenTable
 from spec_decode.draft_graphs import DraftGraphs, DraftSampling
 from tests.spec_decode.spying import draft_values
@@ -653,3 +653,17 @@ def _check_async_verify_steps(llm: LLM, sync: LLM, plain: LLM) -> None:
             w.metrics.num_draft_tokens, w.metrics.num_accepted_tokens)
     assert sum(ahead) >= 3, "verify steps should have the next one launched before they are collected"
     assert engine.kv_cache.num_free_blocks == engine.num_blocks - 1
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+def test_the_target_and_the_drafter_capture_through_one_graph_pool(kind, tiny_checkpoint, tmp_path):
+    """One CUDA-graph mechanism: the runner's `GraphPool` captures the target's decode / verify graphs and every draft
+    graph, in one memory pool."""
+    checkpoint = tiny_checkpoint("llama")
+    llm = LLM(str(checkpoint), device="cpu", cuda_graphs=False, speculative_config={
+        **_spec(kind, tmp_path, checkpoint), "num_speculative_tokens": K}, **KNOBS)
+    runner = llm.engine.runner
+    assert runner.capture_cuda_graphs([1, 2], prefill_sizes=[], capture=eager_capture) is None
+    target, drafter = runner.cuda_graphs, runner.proposer.graphs
+    assert isinstance(target.pool, GraphPool) and drafter.pool is target.pool
+    assert target.pool.num_graphs == len(target._replay) + len(drafter._replay) > len(target._replay) == 4
