@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from research_lm import LLM, SamplingParams
-from research_lm.worker.cuda_graphs import DecodeGraphs, eager_capture
+from research_lm.worker.cuda_graphs import eager_capture
 from research_lm.worker.spec import check_speculative_config
 from tests.spec_decode.test_draft_graphs import KNOBS as GRAPH_KNOBS
 from tests.spec_decode.test_draft_graphs import _spec
@@ -131,6 +131,7 @@ def test_async_verify_steps_are_not_launched_ahead_of_a_step_without_speculation
                                                               len(engine.scheduler.waiting))) or collect(pending)
     reqs = [engine.add_request(p, q) for p, q in zip(prompts[:2], params[:2])]
     while not any(ahead for ahead, _ in collected):  # run until a verify step is launched ahead of another
+        assert engine.has_unfinished_requests(), "no step was launched ahead"
         engine.step()
     reqs.append(engine.add_request(prompts[2], params[2]))
     arrival = len(collected)
@@ -144,16 +145,8 @@ def test_async_verify_steps_are_not_launched_ahead_of_a_step_without_speculation
 
 
 def _with_verify_graphs(llm: LLM, sizes: list[int]) -> None:
-    """Verify graphs (query length k + 1) beside the draft graphs, re-run on CPU, the "verified" draft graphs reading
-    the verify graphs' argmax and inputs in place (as `ModelRunner.capture_cuda_graphs` captures them)."""
+    """The runner's graphs, re-run on CPU: verify graphs (query length k + 1) and the "verified" draft graphs behind
+    them, which read the verify graphs' argmax and inputs in place and write the drafts into the token table."""
     runner = llm.engine.runner
-    k = runner.proposer.num_speculative_tokens
-    runner.cuda_graphs = DecodeGraphs(
-        runner.forward, runner.buffers, runner.backends, sizes=sizes, query_lens=[1, k + 1],
-        block_size=runner.block_size, max_seq_len=runner.max_model_len, compute_logits=runner.model.compute_logits,
-        vocab_size=runner.vocab_size, capture=eager_capture)
-    runner.proposer.capture_cuda_graphs(sizes=sizes, capture=eager_capture, block_size=runner.block_size,
-                                        max_blocks_per_req=runner.buffers.block_table.gpu.shape[1],
-                                        verified_inputs=(runner.cuda_graphs.greedy_ids, runner.buffers.input_ids.gpu,
-                                                         runner.buffers.positions.gpu))
-    assert runner.proposer.graphs.verified_in_place
+    assert runner.capture_cuda_graphs(sizes, prefill_sizes=[], capture=eager_capture) is None
+    assert runner.proposer.graphs.verified_in_place and runner.proposer.graphs.drafts_verified
