@@ -56,6 +56,7 @@ import torch
 
 from attention_zoo import CommonAttentionMetadata
 from research_lm.worker.buffers import StepBuffers
+from research_lm.worker.verification import accept_greedily
 
 Outputs = Any  # what a captured function returns: the model's hidden states [T, hidden], or nothing
 # fn -> replay: runs fn once to warm up, records it, and returns a callable that re-runs the recording.
@@ -337,18 +338,15 @@ class DecodeGraphs:
         return replay
 
     def _accept(self, b: int, q: int) -> None:
-        """Greedy acceptance of the graph's b requests of q tokens (the newest token, then q - 1 draft slots, the
-        first num_drafts[row] of them real): drafts are kept while they equal the argmax of the row before them,
-        then that argmax is emitted. Padding requests (row -1) emit garbage that nothing reads."""
-        t, k = b * q, q - 1
-        target = self.greedy_ids[:t].view(b, q)
-        drafts = self.buffers.input_ids.gpu[:t].view(b, q)[:, 1:]
+        """`accept_greedily` over the graph's b requests of q tokens (the newest token, then q - 1 draft slots, the
+        first num_drafts[row] of them real), packed as `GraphStep.accepted`. Padding requests (row -1) emit garbage
+        that nothing reads."""
+        t = b * q
         real = self.num_drafts[self.buffers.request_rows.gpu[:b].long().clamp(min=0)].long()
-        ok = (torch.arange(k, device=target.device) < real[:, None]) & (drafts == target[:, :k])
-        n_acc = ok.long().cumprod(dim=1).sum(dim=1)
+        emitted, n_acc = accept_greedily(self.buffers.input_ids.gpu[:t].view(b, q)[:, 1:],
+                                         self.greedy_ids[:t].view(b, q), real)
         packed = self.accepted
-        keep = torch.arange(q, device=target.device) <= n_acc[:, None]
-        packed[:t].view(b, q).copy_(torch.where(keep, target, -1))
+        packed[:t].view(b, q).copy_(emitted)
         packed[t : t + b].copy_(n_acc + 1)
         packed[t + b : t + 2 * b].copy_(real)
 

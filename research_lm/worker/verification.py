@@ -59,10 +59,7 @@ def verify_drafts(
     if batch is None or batch.plain_argmax:
         target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
         target = (target if target_row_t is None else target[target_row_t]).view(n, k_max + 1)
-        slots = torch.arange(k_max, device=device)
-        ok = (slots < num_real[:, None]) & (drafts == target[:, :k_max])
-        n_acc = ok.long().cumprod(dim=1).sum(dim=1)
-        emitted = torch.where(torch.arange(k_max + 1, device=device) <= n_acc[:, None], target, -1)
+        emitted, n_acc = accept_greedily(drafts, target, num_real)
         return emitted, (n_acc + 1).to(torch.int32), num_real
     q_cat = None
     if any(x is not None for x in q) and all(x is not None for x, c in zip(q, d) if c):
@@ -72,6 +69,19 @@ def verify_drafts(
         [s.request.seed for s in reqs], [s.request.num_output_tokens for s in reqs], num_drafts=d.tolist(),
         num_valid=num_real)
     return emitted, (emitted >= 0).sum(dim=1).to(torch.int32), num_real
+
+
+def accept_greedily(
+    drafts: torch.Tensor,  # [n, k]
+    target: torch.Tensor,  # [n, k + 1] int64: the argmax of each request's k + 1 rows
+    num_real: torch.Tensor,  # [n]: real drafts among each request's k slots
+) -> tuple[torch.Tensor, torch.Tensor]:  # emitted [n, k + 1] int64 (-1 after the emitted ones), n_acc [n] int64
+    """Drafts are kept while they are real and equal the argmax of the row before them; then that argmax is
+    emitted."""
+    k = drafts.shape[1]
+    ok = (torch.arange(k, device=drafts.device) < num_real[:, None]) & (drafts == target[:, :k])
+    n_acc = ok.long().cumprod(dim=1).sum(dim=1)
+    return torch.where(torch.arange(k + 1, device=drafts.device) <= n_acc[:, None], target, -1), n_acc
 
 
 def emitted_logprobs(
