@@ -17,8 +17,10 @@ hits both alike. Every case goes through the public API (`LLM`, `SamplingParams`
   drafting for itself, so every draft is accepted), k = 5, greedy, code
   prompts from the corpus, 384 output tokens (`--spec-tokens`), max_num_seqs = the batch (fewer graphs to
   capture): output tok/s with speculation over output tok/s without, both built in the subprocess (the
-  speedup), with tau. The GPU reference target of spec_ablation_h200 needs ~8.5 min of training on a fresh
-  machine; the tiny pair ships with the package, so both commits can run it. `--spec-repeats` (default 1).
+  speedup), with tau. `--spec-repeats` (default 1).
+- ablation_<method>_b<batch> (with `--reference DIR`, experiments/train_reference.sh's models, ~8.5 min of training
+  on a fresh machine): spec_ablation_h200's cell at k = 5, greedy, run by the tree's own CLI, which measures its
+  baseline in the same process: the speedup, tau and the outputs' match.
 The old tree's commit is read from a COMMIT file at its root (write it beside the archive), else from git.
 Prints a table last (each cell: median over repeats, new / old ratio) and writes <out>/<name>.{md,json}.
 """
@@ -40,10 +42,13 @@ LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                     rope_theta=500000.0, tie_word_embeddings=True, torch_dtype="bfloat16")
 SPEC = [("eagle3", 1), ("eagle3", 8), ("eagle3", 32), ("ngram", 1), ("ngram", 32), ("draft_model", 1),
         ("draft_model", 32)]
+ABLATION = [(m, b) for m in ("eagle3", "draft_model", "ngram") for b in (1, 8, 32)]
+HEADS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft"}  # train_reference.sh's
 
 
-def cases() -> list[str]:
-    return ["decode_b1", "throughput"] + [f"spec_{m}_b{b}" for m, b in SPEC]
+def cases(reference: bool = True) -> list[str]:
+    ablation = [f"ablation_{m}_b{b}" for m, b in ABLATION] if reference else []
+    return ["decode_b1", "throughput"] + [f"spec_{m}_b{b}" for m, b in SPEC] + ablation
 
 
 # ---- measurement (runs inside the tree under test) -----------------------------------------------------------------
@@ -133,7 +138,32 @@ def measure_spec(method: str, batch: int) -> dict:
                          for a, b in zip(runs["spec"][1], runs["plain"][1], strict=True)) / batch}
 
 
+def measure_ablation(method: str, batch: int) -> dict:
+    """One spec_ablation_h200 cell at k = 5, greedy, through the tree's own CLI (the job runs its baseline too)."""
+    import tempfile
+
+    ref = os.environ["AB_REFERENCE"]
+    run_dir = Path(tempfile.mkdtemp(prefix="ab_ablation_"))
+    head = [f"spec.model={ref}/{HEADS[method]}"] if method in HEADS else []
+    device = os.environ.get("AB_DEVICE", "cuda")  # cpu: a smoke run of the case
+    overrides = ["experiment=spec_ablation", f"device={device}", "attention=" + ("triton" if device == "cuda"
+                 else "torch_ref"), "logger=jsonl", "model=hf",
+                 f"model.name={ref}/target", f"spec={method}", *head, "spec.num_speculative_tokens=5",
+                 "workload.temperature=0.0", "workload.max_tokens=128", "runner.num_gpu_blocks=4096",
+                 f"runner.max_num_seqs={batch}", f"workload.num_requests={8 if batch == 1 else 4 * batch}",
+                 f"warmup_requests={batch}", "seed=0", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "research_lm", *overrides], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    s = json.loads((run_dir / "results.json").read_text())["summary"]
+    return {"value": s["speedup"], "unit": "x plain", "better": "higher", "tau": s.get("mean_acceptance_length"),
+            "match": s["outputs_match_baseline"]}
+
+
 def measure(case: str) -> dict:
+    if case.startswith("ablation_"):
+        method, batch = case.removeprefix("ablation_").rsplit("_", 1)
+        return measure_ablation(method, int(batch[1:]))
     if case == "decode_b1":
         return measure_decode_b1()
     if case == "throughput":
@@ -209,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tree", action="append", default=[], help="name=path, old first (repeat)")
     ap.add_argument("--old", help="a commit: compared, as `old`, with this tree (`new`); replaces --tree")
     ap.add_argument("--case", action="append", default=None, choices=cases())
+    ap.add_argument("--reference", type=Path, help="experiments/train_reference.sh's folder: the ablation_* cells")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spec-repeats", type=int, default=1)
     ap.add_argument("--spec-tokens", type=int, default=384, help="output tokens per request of the spec cells")
@@ -224,17 +255,20 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     os.environ["AB_SPEC_TOKENS"] = str(args.spec_tokens)  # read by the measuring subprocesses
+    if args.reference:
+        os.environ["AB_REFERENCE"] = str(args.reference.resolve())
     trees = [dict(zip(("name", "path"), spec.split("=", 1), strict=True)) for spec in args.tree]
     for t in trees:
         t["commit"] = git_commit(Path(t["path"])) or os.environ.get(f"AB_COMMIT_{t['name'].upper()}", "")
-    result = {"trees": trees, "cases": args.case or cases(), "repeats": args.repeats,
+    result = {"trees": trees, "cases": args.case or cases(reference=args.reference is not None),
+              "repeats": args.repeats,
               "spec_repeats": args.spec_repeats, "runs": [],
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "command": "python experiments/ab_commits.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     for r in range(args.repeats):
         for case in result["cases"]:
-            if case.startswith("spec_") and r >= args.spec_repeats:
+            if case.startswith(("spec_", "ablation_")) and r >= args.spec_repeats:
                 continue
             for t in trees:
                 run = {"tree": t["name"], "case": case, "repeat": r,

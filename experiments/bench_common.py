@@ -43,7 +43,13 @@ LLAMA_3_1_8B: dict[str, Any] = dict(
                          high_freq_factor=4.0, original_max_position_embeddings=8192),
     bos_token_id=128000, eos_token_id=128001,
 )  # fmt: skip
-SHAPES: dict[str, dict[str, Any]] = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B}
+# Llama-3.1-70B's layer shapes with 32 of its 80 layers: 59 GB of bf16 weights, so TP = 1 fits one 80 GB GPU
+# (a step costs ~0.4 of the full model's; the ratio to the floor is what transfers).
+LLAMA_3_1_70B_32L: dict[str, Any] = dict(
+    LLAMA_3_1_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=32, num_attention_heads=64,
+)  # fmt: skip
+SHAPES: dict[str, dict[str, Any]] = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3.1-8b": LLAMA_3_1_8B,
+                                     "llama-3.1-70b-32l": LLAMA_3_1_70B_32L}
 # For smoke runs of the scripts on a CPU.
 TINY: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

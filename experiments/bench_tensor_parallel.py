@@ -42,7 +42,8 @@ from bench_common import (
 )
 from bench_decode import build_llm, decode_steps
 
-SHAPE_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B", "tiny": "tiny"}
+SHAPE_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B",
+               "llama-3.1-70b-32l": "Llama-3.1-70B (32 of 80 layers)", "tiny": "tiny"}
 
 
 def floor_bytes(shape: dict[str, Any], weight_bytes: int, tp: int, batch: int, context: float,

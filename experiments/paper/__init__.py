@@ -74,6 +74,32 @@ _ZOO_SMOKE = ("device=cpu", "attention=torch_ref", "logger=none", "workload.num_
 _REF = "outputs/reference"  # experiments/train_reference.sh's models (spec_ablation_h200)
 
 
+def _spec_reference_sweep(ks: str) -> tuple[str, ...]:
+    return ("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
+            f"model.name={_REF}/target", f"spec.num_speculative_tokens={ks}", "workload.temperature=0.0,1.0",
+            "workload.max_tokens=128", "runner.num_gpu_blocks=4096")
+
+
+# one part per proposer and batch: the proposer's head, and 8 requests at batch 1, 4 x batch above
+_SPEC_REFERENCE_PARTS = tuple(
+    (f"spec={method}", *((f"spec.model={_REF}/{head}",) if head else ()), f"runner.max_num_seqs={b}",
+     f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
+    for method, head in (("ngram", None), ("eagle3", "eagle3"), ("eagle", "eagle"), ("medusa", "medusa"),
+                         ("draft_model", "draft"))
+    for b in (1, 8, 32))
+_SPEC_REFERENCE_ABOUT = (
+    "The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 24 layers, 9.6 M parameters, "
+    "trained on the stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 3500 steps on the "
+    "target's own greedy continuations, 3 per corpus window, ttt_steps 5, MLP 4096; the others 800); 128 output "
+    "tokens per request; 8 code prompts at batch 1, 4 x batch at 8 and 32 (requests join as others finish, as in "
+    "serving; a batch of exactly max_num_seqs requests would time its slowest one); 3 seeds per cell; each job also "
+    "runs the same workload without speculation in the same process (speedup: whole-workload output tok/s, prefill "
+    "included; tpot_ratio compares decoding alone). CUDA graphs: decode and verify steps, one request's prompt (a "
+    "prompt joining running requests gets a step of its own: runner.separate_prefills), and whole drafting steps of "
+    "the model-based drafters (entry forward + chain in one replay; what each commit captures: "
+    "experiments/results/PERFORMANCE.md).")
+
+
 def command(name: str) -> str:
     return f"python -m experiments.paper {name}"
 
@@ -273,31 +299,29 @@ TABLES: dict[str, Table] = {
              "{0,1}: tau, acceptance per position, draft vs verify time, speedup vs no speculation",
         device="cuda", measured_on="NVIDIA H100",
         minutes="~21 min on one H100, 15 parts of 66-94 s (270 jobs; + ~8.5 min training when missing)",
-        sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
-               f"model.name={_REF}/target", "spec.num_speculative_tokens=1,3,5", "workload.temperature=0.0,1.0",
-               "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
-        parts=tuple((f"spec={method}", *((f"spec.model={_REF}/{head}",) if head else ()), f"runner.max_num_seqs={b}",
-                     f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
-                    for method, head in (("ngram", None), ("eagle3", "eagle3"), ("eagle", "eagle"),
-                                         ("medusa", "medusa"), ("draft_model", "draft"))
-                    for b in (1, 8, 32)),
+        sweep=_spec_reference_sweep("1,3,5"), parts=_SPEC_REFERENCE_PARTS,
         prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
         repeat_key="seed",
         plots={"report_speedup_vs_spec.num_speculative_tokens.png": "spec_ablation_h200_speedup.png",
                "report_mean_acceptance_length_vs_spec.num_speculative_tokens.png": "spec_ablation_h200_tau.png"},
         title="spec_ablation on the reference target (GPU)",
-        about="The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 24 layers, 9.6 M "
-              "parameters, trained on the stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 "
-              "3500 steps on the target's own greedy continuations, 3 per corpus window, ttt_steps 5, MLP 4096; the "
-              "others 800); 128 output tokens per request; 8 code prompts at batch 1, 4 x batch at 8 and 32 (requests "
-              "join as others finish, as in serving; a batch of exactly max_num_seqs requests would time its slowest "
-              "one); 3 seeds per cell; each job also runs the same workload without speculation in the same process "
-              "(speedup: whole-workload output tok/s, prefill included; tpot_ratio compares decoding alone). CUDA "
-              "graphs: decode and verify steps, one request's prompt (a prompt joining running requests gets a step "
-              "of its own: runner.separate_prefills), and whole drafting steps of the model-based drafters (entry "
-              "forward + chain in one replay; what each commit captures: experiments/results/PERFORMANCE.md). Both "
-              "runs schedule asynchronously: greedy EAGLE / EAGLE-3 verify steps launch before the previous one is "
-              "verified on the host, other speculative steps are collected before the next is scheduled.",
+        about=_SPEC_REFERENCE_ABOUT + " Both runs schedule asynchronously: greedy EAGLE / EAGLE-3 verify steps launch "
+              "before the previous one is verified on the host, other speculative steps are collected before the next "
+              "is scheduled.",
+    ),
+    "spec_ablation_k5_h200": Table(
+        what="spec_ablation_h200's k = 5 cells after issue 28 (every proposer launches its next step ahead): every "
+             "proposer x batch {1,8,32} x temperature {0,1}",
+        device="cuda", measured_on="NVIDIA H200",
+        minutes="~7 min on one GPU (90 jobs; + ~8.5 min training when missing)",
+        sweep=_spec_reference_sweep("5"), parts=_SPEC_REFERENCE_PARTS,
+        prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
+        repeat_key="seed",
+        title="spec_ablation on the reference target at k = 5, every proposer launching ahead (GPU)",
+        about=_SPEC_REFERENCE_ABOUT + " Both runs schedule asynchronously, and every proposer (ngram, EAGLE, EAGLE-3, "
+              "Medusa, draft_model) launches its next speculative step before the previous one is collected "
+              "(issue 28); ab_issue28_ablation_h200 is the same-run A/B of its greedy eagle3 / draft_model / ngram "
+              "cells against the commit before the redesign.",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
