@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["AB_REFERENCE"] = str(args.reference.resolve())
     trees = [dict(zip(("name", "path"), spec.split("=", 1), strict=True)) for spec in args.tree]
     for t in trees:
-        t["commit"] = git_commit(Path(t["path"])) or os.environ.get(f"AB_COMMIT_{t['name'].upper()}", "")
+        # AB_COMMIT_<NAME> first: a device's copy of the tree may carry a stale .git
+        t["commit"] = os.environ.get(f"AB_COMMIT_{t['name'].upper()}") or git_commit(Path(t["path"]))
     result = {"trees": trees, "cases": args.case or cases(reference=args.reference is not None),
               "repeats": args.repeats,
               "spec_repeats": args.spec_repeats, "runs": [],

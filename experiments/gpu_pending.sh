@@ -67,6 +67,11 @@
 # Session 23 (one H200; issue 28 stage 5) ran `pytest -m gpu tests/spec_decode tests/engine tests/test_cuda_graphs.py
 # tests/ops tests/test_sampler.py tests/test_rejection_sampler.py` and tests/attention_zoo/test_mla_triton.py at 61cad69
 # (passed) and the ab_issue28_stage5 A/Bs. Not run since stage 4: the rest of tests/attention_zoo -m gpu.
+# Session 24 (2 x H200) ran `tests` at 90bf447 on one GPU (116 passed) and the NCCL tests
+# (tests/models/test_tensor_parallel.py, tests/moe/test_engine_ep.py: passed once the EP test compared like with like:
+# synchronous steps on both sides), trained the reference beside them, then ab_issue28_ablation_h200,
+# spec_ablation_k5_h200 and both bench_tensor_parallel tables (PERFORMANCE.md, twenty-third pass). Not run since:
+# the eagle3 batch-8 ablation cell with repeats (see that pass).
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo

@@ -57,6 +57,7 @@ class Table:
     smoke: tuple[str, ...] | None = None  # --allow-cpu on a machine without CUDA: replaces/extends args
     repeat_key: str = "repeat"  # sweep: the key whose values are the repeats (`+repeat=0,1,2`; or `seed`)
     plots: dict[str, str] = field(default_factory=dict)  # sweep: report plot -> file name in results
+    ranks: int = 1  # benchmark: > 1 starts it under torchrun, one process per GPU (gloo ranks in a CPU smoke run)
     title: str = ""  # sweep: the heading of the markdown table
     about: str = ""  # sweep: what was run, in prose, above the numbers
 
@@ -71,6 +72,8 @@ _ZOO_SMOKE = ("device=cpu", "attention=torch_ref", "logger=none", "workload.num_
               "workload.prompt_chars=300", "runner.max_num_seqs=2", "runner.num_gpu_blocks=256")
 
 
+_TP_SMOKE = ("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batch", "1", "2",
+             "--steps", "4", "--warmup", "1", "--prompt-len", "16")  # two gloo ranks
 _REF = "outputs/reference"  # experiments/train_reference.sh's models (spec_ablation_h200)
 
 
@@ -121,6 +124,20 @@ TABLES: dict[str, Table] = {
               "--hf-dynamic-steps", "8"),
         smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batch", "1", "2",
                "--steps", "4", "--warmup", "1", "--hf-dynamic-steps", "3", "--skip-hf-static", "--prompt-len", "16"),
+    ),
+    "bench_tensor_parallel_8b_h200x2": Table(
+        what="decode ms/step of a Llama-3.1-8B shape at batch 1 and 64, tensor parallel over 2 GPUs (NCCL, CUDA "
+             "graphs) against TP = 1 on one of them and the floor at each TP (weights / TP + KV over copy bandwidth)",
+        device="cuda", measured_on="2 x NVIDIA H200", minutes="~40 s", bench="bench_tensor_parallel", ranks=2,
+        args=("--shape", "llama-3.1-8b", "--batch", "1", "64", "--steps", "64", "--warmup", "8"),
+        smoke=_TP_SMOKE,
+    ),
+    "bench_tensor_parallel_70b32l_h200x2": Table(
+        what="the same for Llama-3.1-70B's layer shapes with 32 of its 80 layers (59 GB of bf16 weights, so TP = 1 "
+             "fits one GPU)",
+        device="cuda", measured_on="2 x NVIDIA H200", minutes="~40 s", bench="bench_tensor_parallel", ranks=2,
+        args=("--shape", "llama-3.1-70b-32l", "--batch", "1", "64", "--steps", "32", "--warmup", "4"),
+        smoke=_TP_SMOKE,
     ),
     "bench_throughput": Table(
         what="offline output tok/s on the nano-vllm workload (256 requests), research_lm vs transformers "
@@ -177,6 +194,22 @@ TABLES: dict[str, Table] = {
         bench="ab_commits", args=("--old", "8f3c88e", "--spec-tokens", "256", "--case", "spec_eagle3_b1",
                                   "--case", "spec_eagle3_b32", "--case", "spec_ngram_b1", "--case", "spec_ngram_b32",
                                   "--case", "spec_draft_model_b1", "--case", "spec_draft_model_b32"),
+    ),
+    "ab_issue28_ablation_h200": Table(
+        what="A/B of issue 28's end (f052f8f's research_lm) against 8f3c88e on spec_ablation_h200's k = 5 greedy cells "
+             "of eagle3, draft_model and ngram at batch 1, 8 and 32, on the GPU reference target (each tree's own CLI)",
+        device="cuda", measured_on="NVIDIA H200", minutes="~5.5 min (1 repeat; + ~8.5 min training when missing)",
+        bench="ab_commits", args=("--old", "8f3c88e", "--reference", _REF,
+                                  *(a for m in ("eagle3", "draft_model", "ngram") for b in (1, 8, 32)
+                                    for a in ("--case", f"ablation_{m}_b{b}"))),
+        prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
+    ),
+    "ab_issue28_eagle3_b8_h200": Table(
+        what="the same A/B on the shipped tiny pair's EAGLE-3 at batch 8 (k = 5, greedy, 256 tokens), 3 repeats: "
+             "whether ab_issue28_ablation_h200's one-repeat eagle3 batch-8 cell is the mechanism's",
+        device="cuda", measured_on="NVIDIA H200", minutes="~2.5 min (3 repeats)",
+        bench="ab_commits", args=("--old", "8f3c88e", "--spec-tokens", "256", "--spec-repeats", "3",
+                                  "--case", "spec_eagle3_b8"),
     ),
     "moe_routing_skew": Table(
         what="routing skew and code-vs-prose drift of small Qwen3-MoE / Qwen2-MoE (shared expert) models trained here "
@@ -320,7 +353,8 @@ TABLES: dict[str, Table] = {
         title="spec_ablation on the reference target at k = 5, every proposer launching ahead (GPU)",
         about=_SPEC_REFERENCE_ABOUT + " Both runs schedule asynchronously, and every proposer (ngram, EAGLE, EAGLE-3, "
               "Medusa, draft_model) launches its next speculative step before the previous one is collected "
-              "(issue 28); ab_issue28_ablation_h200 is the same-run A/B of its greedy eagle3 / draft_model / ngram "
+              "where every request is plain greedy (issue 28; a temperature-1 step is collected first); "
+              "ab_issue28_ablation_h200 is the same-run A/B of its greedy eagle3 / draft_model / ngram "
               "cells against the commit before the redesign.",
     ),
     "spec_eagle3_tiny_h200": Table(
@@ -346,12 +380,21 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def resolve(name: str, *, allow_cpu: bool = False) -> tuple[Table, bool]:
     """(the table, whether this is a CPU smoke run); PaperError when it cannot run here."""
     if name not in TABLES:
         raise PaperError(f"unknown table {name!r}; choose one of: {', '.join(TABLES)}")
     table = TABLES[name]
     if table.device != "cuda" or cuda_available():
+        if table.ranks > cuda_device_count() and table.device == "cuda":
+            raise PaperError(f"{name}: needs {table.ranks} CUDA GPUs (measured on {table.measured_on}); "
+                             f"{cuda_device_count()} found here.")
         return table, False
     if not allow_cpu:
         raise PaperError(f"{name}: needs a CUDA GPU (measured on {table.measured_on}); none found here. Run it on "
@@ -409,7 +452,7 @@ def run(name: str, *, repeats: int = MIN_REPEATS, out: Path | None = None, allow
             raise PaperError(f"{name}: preparing {table.prepare[0]} failed (see above)")
     if table.bench is not None:
         args = [*table.args, *(table.smoke if smoke else ()), *extra]
-        return run_bench(table.bench, args, repeats=repeats, out=out, file_name=file_name)
+        return run_bench(table.bench, args, repeats=repeats, out=out, file_name=file_name, ranks=table.ranks)
     overrides = merge_overrides(table.sweep, table.smoke if smoke else (), extra)
     return run_sweep(table, name, overrides, repeats=repeats, out=out, file_name=file_name,
                      sweep_root=sweep_root or Path("multirun/paper"), gpus=gpus)
@@ -422,9 +465,15 @@ def import_bench(module: str) -> Any:
     return importlib.import_module(module)
 
 
-def run_bench(bench: str, args: list[str], *, repeats: int, out: Path, file_name: str) -> Path:
-    """experiments/<bench>.py's main(argv) (it aggregates its repeats and writes the table itself)."""
-    import_bench(bench).main([*args, "--repeats", str(repeats), "--out", str(out), "--name", file_name])
+def run_bench(bench: str, args: list[str], *, repeats: int, out: Path, file_name: str, ranks: int = 1) -> Path:
+    """experiments/<bench>.py's main(argv) (it aggregates its repeats and writes the table itself); with ranks > 1,
+    the script under torchrun, one process per rank (rank 0 writes the table)."""
+    argv = [*args, "--repeats", str(repeats), "--out", str(out), "--name", file_name]
+    if ranks == 1:
+        import_bench(bench).main(argv)
+    elif subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                         str(EXPERIMENTS / f"{bench}.py"), *argv]).returncode != 0:
+        raise PaperError(f"{bench}: a rank of {ranks} failed (see above)")
     return out / f"{file_name}.md"
 
 
@@ -542,6 +591,7 @@ def listing() -> str:
     """The registry as a markdown table (what experiments/paper/README.md shows)."""
     lines = ["| table | command | device needed | approx. time (3 repeats) | what |", "| --- | --- | --- | --- | --- |"]
     for name, t in TABLES.items():
-        device = f"CUDA GPU (measured on {t.measured_on})" if t.device == "cuda" else t.measured_on
+        gpus = f"{t.ranks} CUDA GPUs" if t.ranks > 1 else "CUDA GPU"
+        device = f"{gpus} (measured on {t.measured_on})" if t.device == "cuda" else t.measured_on
         lines.append(f"| `{name}` | `{command(name)}` | {device} | {t.minutes} | {t.what} |")
     return "\n".join(lines)

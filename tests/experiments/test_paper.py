@@ -250,3 +250,14 @@ def test_a_bench_table_prepares_its_missing_models_first_and_names_a_failure(mon
     code[0] = 1
     with pytest.raises(paper.PaperError, match="preparing .*missing failed"):
         paper.run("bench_prefill", out=tmp_path)
+
+
+def test_tensor_parallel_tables_run_under_torchrun_and_want_their_gpus(tmp_path, monkeypatch):
+    """A ranks = 2 table starts its benchmark under torchrun (here its CPU smoke run: two gloo ranks, rank 0 writes
+    the table) and refuses on a machine with fewer GPUs, naming how many it needs."""
+    md = paper.run("bench_tensor_parallel_8b_h200x2", allow_cpu=True, out=tmp_path).read_text()
+    assert "2 ranks (torchrun)" in md and "| 2 | research_lm TP = 2 |" in md and "| 1 | floor at TP = 2 |" in md
+    monkeypatch.setattr(paper, "cuda_available", lambda: True)
+    monkeypatch.setattr(paper, "cuda_device_count", lambda: 1)
+    with pytest.raises(paper.PaperError, match=r"needs 2 CUDA GPUs \(measured on 2 x NVIDIA H200\); 1 found here"):
+        paper.resolve("bench_tensor_parallel_70b32l_h200x2")

@@ -38,9 +38,11 @@ SUMMARY_KEYS = ("num_steps", "tokens_routed", "rank_load", "balancedness_total",
 
 
 def _llm(path, device: str, eplb: dict | None, num_gpu_blocks: int | None = None) -> LLM:
-    # a 16-token budget: chunked prefill steps of 16 tokens, then decode steps of 1 to 4 (a rank's shard empty)
+    # a 16-token budget: chunked prefill steps of 16 tokens, then decode steps of 1 to 4 (a rank's shard empty).
+    # Synchronous steps, as expert parallelism runs them: launched ahead (CUDA's default), a rebalance lands a step
+    # later, so the simulated ranks would end on another (equally valid) placement than the real ones.
     return LLM(str(path), dtype="float32", device=device, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-               max_model_len=64, eplb_config=eplb, num_gpu_blocks=num_gpu_blocks)
+               max_model_len=64, eplb_config=eplb, num_gpu_blocks=num_gpu_blocks, async_scheduling=False)
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -132,7 +134,7 @@ def _check_layer_ep_least_loaded(rank: int, device: torch.device) -> None:
     _, alloc = least_loaded(counts[None, None], ep.experts.log2phy[None], WORLD, (num_experts + 2) // WORLD,
                             return_alloc=True)
     replicas = ep.experts.log2phy
-    want = torch.zeros(num_experts + 2, dtype=torch.float64).index_add_(
+    want = torch.zeros(num_experts + 2, dtype=torch.float64, device=replicas.device).index_add_(
         0, replicas[replicas >= 0], alloc[0, 0][replicas >= 0])
     assert (per_slot.double() - want).abs().max() <= WORLD
 
