@@ -28,6 +28,11 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Token-tree verify steps (speculative decoding): bit j of tree_bits[t] is set iff query token t may attend to
+    # query token j of its own request (0 = the request's first query token); every query token still sees the whole
+    # cached context. Ancestors precede their descendants, so the bits of t lie within 0..t and include t; q_len <= 63.
+    # None = causal. A chain's bits (token i: bits 0..i) give exactly the causal result.
+    tree_bits: torch.Tensor | None = None  # [num_tokens] int64, device
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:  # [num_reqs] int32

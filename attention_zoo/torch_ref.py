@@ -1,4 +1,4 @@
-"""The readable oracle: gather each request's pages, build its causal (windowed) mask, softmax in fp32.
+"""The readable oracle: gather each request's pages, build its causal (windowed, tree) mask, softmax in fp32.
 
 Slow by design (a Python loop over requests); every other backend is tested against it.
 """
@@ -46,6 +46,12 @@ def causal_mask(
     return mask
 
 
+def tree_mask(tree_bits: torch.Tensor) -> torch.Tensor:
+    """[q_len] int64 bits of one request's query tokens -> [q_len, q_len] bool: token t attends to query token j."""
+    j = torch.arange(tree_bits.shape[0], device=tree_bits.device)
+    return ((tree_bits[:, None] >> j[None, :]) & 1) == 1
+
+
 def reference_attention(
     q: torch.Tensor,  # [q_len, num_heads, head_size]
     k: torch.Tensor,  # [seq_len, num_kv_heads, head_size]
@@ -75,6 +81,8 @@ class TorchRefImpl(AttentionImpl):
             ctx_v = gather_context(kv_cache[1], metadata.block_table[i], seq_len)
             q_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
             mask = causal_mask(q_positions, seq_len, self.spec.sliding_window)
+            if metadata.tree_bits is not None:  # among the step's own tokens: ancestors and itself only
+                mask[:, seq_len - (end - start) :] &= tree_mask(metadata.tree_bits[start:end])
             out[start:end] = reference_attention(q[start:end], ctx_k, ctx_v, mask, self.spec.scale).to(q.dtype)
         return out
 
@@ -88,6 +96,7 @@ class TorchRefBackend(AttentionBackend):
         sliding_window=True,
         cuda_graphs=False,
         eager_plans_on_host=True,
+        token_trees=True,
     )
 
     @classmethod

@@ -1,7 +1,7 @@
 """The `triton` backend: our own Triton kernels over the same paged cache layout as `torch_ref`.
 
 Per layer: `reshape_and_cache` writes this step's K/V, then one `unified_attention` launch serves
-prefill, decode and mixed batches (GQA, causal, sliding window); decode batches with few
+prefill, decode and mixed batches (GQA, causal, sliding window, token trees); decode batches with few
 sequences and long contexts take the split-KV (flash-decoding) path: partial outputs + a reduce.
 Every host-side choice (tile shape, split count) comes from host integers of the step's metadata,
 made once per step and per layer shape, so forward never syncs and can be captured in a CUDA graph.
@@ -107,6 +107,7 @@ class TritonAttentionImpl(AttentionImpl):
             num_splits=plan.num_splits,
             min_split_tokens=plan.min_split_tokens,
             upcast=_INTERPRET,
+            tree_bits=common.tree_bits,
         )
 
 
@@ -119,6 +120,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window=True,
         cuda_graphs=True,
         cuda_graphs_multi_token=True,  # grid and tile depend only on num_tokens, num_reqs and max_query_len > 1
+        token_trees=True,  # the kernel reads tree_bits on the device: a graph's persistent buffer serves each replay
     )
 
     @classmethod

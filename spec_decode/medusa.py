@@ -29,6 +29,7 @@ from research_lm.models.loader import checkpoint_files, read_json_config
 from research_lm.worker.rng import to_device
 from research_lm.worker.sampler import plain_greedy
 from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, register_proposer
+from research_lm.worker.token_tree import TokenTree
 from spec_decode.heads import (
     check_names,
     check_shape,
@@ -110,35 +111,46 @@ class MedusaProposer(Proposer):
 
     aux_hidden_state_layers: tuple[int, ...] = ()
 
-    def __init__(self, heads: MedusaHeads, *, num_speculative_tokens: int, vocab_size: int, max_model_len: int):
-        if not 1 <= num_speculative_tokens <= len(heads):
-            raise ValueError(
-                f"num_speculative_tokens must be in [1, medusa_num_heads = {len(heads)}] for Medusa, "
-                f"got {num_speculative_tokens}"
-            )
+    def __init__(self, heads: MedusaHeads, *, num_speculative_tokens: int, vocab_size: int, max_model_len: int,
+                 token_tree: TokenTree | None = None):
+        depth = token_tree.depth if token_tree is not None else num_speculative_tokens
+        if not 1 <= depth <= len(heads):
+            raise ValueError(f"{'the token tree depth' if token_tree else 'num_speculative_tokens'} must be in "
+                             f"[1, medusa_num_heads = {len(heads)}] for Medusa, got {depth}")
         self.heads = heads
         heads.stack()
-        self.num_speculative_tokens = num_speculative_tokens
+        self.depth = depth
+        self.num_speculative_tokens = token_tree.num_drafts if token_tree is not None else depth
+        self.token_tree = token_tree
+        # a tree's node j holds the rank-r token of head depth(j) - 1 (Medusa's trees): those tables on the device
+        self._nodes = token_tree.on(heads[0][-1].weight.device) if token_tree is not None else None
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
     def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
-        """Every request plain greedy: each draft is a raw argmax of its head at the row that predicted the request's
-        last emitted token, which the device knows: qsl[i + 1] - d_i - 2 + num_emitted[i] (d_i drafts verified)."""
+        """Every request plain greedy (or a token tree, whose drafts are every request's heads' top tokens): each
+        draft is a raw top token of its head at the row that predicted the request's last emitted token, which the
+        device knows: qsl[i + 1] - d_i - 2 + num_emitted[i] (d_i drafts verified; after a tree's verification the
+        runner has moved the accepted path's rows where a chain's would be)."""
         reqs = outcome.requests
-        if not all(plain_greedy(r) for r in reqs):
+        if self.token_tree is None and not all(plain_greedy(r) for r in reqs):
             return None
         qsl = outcome.query_start_loc_cpu.numpy()
         drafts = np.fromiter((r.num_spec_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         device = outcome.hidden_states.device
         base = to_device(torch.from_numpy(qsl[1:] - drafts - 2), torch.int64, device)
         rows = (base + outcome.num_emitted).clamp_(min=0)  # a request that emitted nothing drafts nothing (budget 0)
-        logits = self.heads(outcome.hidden_states[rows], self.num_speculative_tokens)  # [n, k, V]
-        top = logits[:, :, : self.vocab_size].argmax(dim=-1)
-        budgets = device_budgets(outcome, self.num_speculative_tokens, self.max_model_len)
-        return Drafts(list(range(len(reqs))), top, budgets)
+        logits = self.heads(outcome.hidden_states[rows], self.depth)[:, :, : self.vocab_size]  # [n, depth, V]
+        budgets = device_budgets(outcome, self.depth, self.max_model_len)
+        if self._nodes is None:
+            return Drafts(list(range(len(reqs))), logits.argmax(dim=-1), budgets)
+        top = logits.topk(max(self.token_tree.ranks) + 1, dim=-1).indices  # [n, depth, ranks]
+        tokens = top[:, self._nodes.depths[1:] - 1, self._nodes.ranks[1:]]  # [n, N]
+        return Drafts(list(range(len(reqs))), tokens, self._nodes.num_real(budgets))
 
     def propose(self, outcome: StepOutcome) -> Drafts:
+        if self.token_tree is not None:  # a tree's drafts are top tokens, whatever the request samples
+            return self.propose_on_device(outcome)
         reqs = outcome.requests
         drafting = start_drafting(reqs, outcome.emitted, self.num_speculative_tokens, self.max_model_len)
         if not drafting.index:
@@ -227,14 +239,19 @@ def load_medusa_heads(path: Path, *, hidden_size: int, vocab_size: int, build: M
     return heads.eval()
 
 
-@register_proposer("medusa")
+@register_proposer("medusa", speculative_token_tree="tree?")
 def build_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> MedusaProposer:
     path = head_dir(speculative_config, "medusa")
     k = speculative_config.get("num_speculative_tokens")
+    tree = speculative_config.get("speculative_token_tree")
+    tree = TokenTree.parse(tree) if tree is not None else None
+    if tree is not None and k not in (None, tree.depth, tree.num_drafts):
+        raise ValueError(f"num_speculative_tokens={k} is neither the node count {tree.num_drafts} (vLLM's meaning) nor "
+                         f"the depth {tree.depth} of speculative_token_tree; leave it out with a tree")
+    k = tree.depth if tree is not None else k
     if k is None:
         raise ValueError("speculative_config for 'medusa' needs num_speculative_tokens")
     build = ModelBuildContext(target.device, target.dtype, target.attention_backend)
     heads = load_medusa_heads(path, hidden_size=target.hidden_size, vocab_size=target.vocab_size, build=build)
-    return MedusaProposer(
-        heads, num_speculative_tokens=int(k), vocab_size=target.vocab_size, max_model_len=target.max_model_len,
-    )
+    return MedusaProposer(heads, num_speculative_tokens=int(k), vocab_size=target.vocab_size,
+                          max_model_len=target.max_model_len, token_tree=tree)

@@ -652,7 +652,7 @@ def test_verify_graphs_accept_greedily_what_verify_drafts_accepts():
             self.request_id = str(i)
 
     scheduled = [ScheduledRequest(_Req(i), k + 1, [], num_spec_tokens=k) for i in range(n)]
-    want, want_counts, want_real = verify_drafts(
+    want, want_counts, want_real, _ = verify_drafts(
         scheduled, list(range(n)), np.arange(0, (n + 1) * (k + 1), k + 1), step.logits, step.greedy_ids,
         buf.input_ids.gpu[: n * (k + 1)], num_drafts[rows], None, {})
     assert emitted.tolist() == want.tolist() == [[2, 3, 4, -1], [5, 6, -1, -1], [7, 0, -1, -1]]

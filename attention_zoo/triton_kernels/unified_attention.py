@@ -15,6 +15,10 @@ every key is looked up in the block table), from the first key the tile's earlie
 with `ctx = seq_len - query_len` cached tokens sits at position ctx + j). Softmax is online in
 fp32 in base 2 (scale * log2(e) folded into the scores).
 
+Token-tree steps (USE_TREE, a constexpr: the causal path compiles as without it) also give each query
+token a 64-bit mask over its request's query tokens (`tree_bits`): a key at position ctx + j is seen
+only where bit j of the row's mask is set. Only tiles wholly inside the cached context skip the mask.
+
 With NUM_SPLITS > 1 (flash-decoding) the program's key range is cut into NUM_SPLITS contiguous
 pieces of at least `min_split_tokens` keys (the pieces past the range stay empty), one per program
 along grid axis 2; each writes its unnormalised accumulator and its running max / sum to a
@@ -66,6 +70,8 @@ def _attend_tile(
     row_valid,
     q_pos,
     sliding_window,
+    ctx_len,
+    row_bits,  # [BLOCK_M] int64: each row's tree mask over its request's query tokens (USE_TREE)
     kv_ptrs,  # (k_cache_ptr, v_cache_ptr, this request's block table row)
     strides,  # (stride_c_blk, stride_c_slot, stride_c_head)
     kv_head,
@@ -76,6 +82,7 @@ def _attend_tile(
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
     USE_WINDOW: tl.constexpr,
+    USE_TREE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -102,6 +109,11 @@ def _attend_tile(
         attend = row_valid[:, None] & k_valid[None, :] & (k_idx[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             attend = attend & (k_idx[None, :] > q_pos[:, None] - sliding_window)
+        if USE_TREE:
+            # the key at ctx_len + j (one of the step's own tokens) needs bit j; clamped so every shift is defined
+            j = tl.minimum(tl.maximum(k_idx - ctx_len, 0), 63).to(tl.int64)
+            in_tree = ((row_bits[:, None] >> j[None, :]) & 1) != 0
+            attend = attend & ((k_idx < ctx_len)[None, :] | in_tree)
         s = tl.where(attend, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
@@ -124,6 +136,7 @@ def _unified_attention_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] fp32 (NUM_SPLITS > 1 only)
     part_m_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, running max (base 2)
     part_l_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, running sum
+    tree_bits_ptr,  # [num_tokens] int64 (USE_TREE only)
     num_reqs,
     scale_log2,  # softmax scale * log2(e)
     sliding_window,  # used when USE_WINDOW
@@ -146,6 +159,7 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,  # >= 1: the fewest key tiles a split takes
     USE_WINDOW: tl.constexpr,
+    USE_TREE: tl.constexpr,  # tree_bits masks the step's own keys (token-tree verify)
     UPCAST: tl.constexpr,  # compute in fp32 (fp32 inputs, or the interpreter, which garbles bf16 math)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -198,6 +212,9 @@ def _unified_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # zero pad lanes: they meet zero-padded K lanes
     if UPCAST:
         q = q.to(tl.float32)
+    row_bits = tl.zeros([BLOCK_M], dtype=tl.int64)
+    if USE_TREE:
+        row_bits = tl.load(tree_bits_ptr + tok, mask=row_valid, other=0)
 
     # Tiles every valid row sees whole (below the diagonal, inside the window) skip the mask:
     # [t_begin, f_lo) masked, [f_lo, f_hi) unmasked, [f_hi, t_end) masked.
@@ -206,7 +223,10 @@ def _unified_attention_kernel(
     if USE_WINDOW:
         full_lo = tl.cdiv(tl.maximum(ctx_len + q_last - sliding_window + 1, 0), TILE_N)
     f_lo = tl.minimum(tl.maximum(full_lo, t_begin), t_end)
-    f_hi = tl.minimum(tl.maximum((ctx_len + q_first + 1) // TILE_N, f_lo), t_end)
+    full_hi = ctx_len + q_first + 1  # keys every row sees causally
+    if USE_TREE:
+        full_hi = ctx_len  # the step's own keys need each row's bits
+    f_hi = tl.minimum(tl.maximum(full_hi // TILE_N, f_lo), t_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -216,18 +236,21 @@ def _unified_attention_kernel(
     strides = (stride_c_blk, stride_c_slot, stride_c_head)
     for t in range(t_begin, f_lo):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, t, kv_lo, kv_hi, row_valid, q_pos, sliding_window, kv_ptrs, strides, kv_head,
-            scale_log2, d_valid, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, UPCAST, DOT_PRECISION,
+            q, m_i, l_i, acc, t, kv_lo, kv_hi, row_valid, q_pos, sliding_window, ctx_len, row_bits, kv_ptrs, strides,
+            kv_head, scale_log2, d_valid, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_TREE, UPCAST,
+            DOT_PRECISION,
         )  # fmt: skip
     for t in range(f_lo, f_hi):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, t, kv_lo, kv_hi, row_valid, q_pos, sliding_window, kv_ptrs, strides, kv_head,
-            scale_log2, d_valid, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_WINDOW, UPCAST, DOT_PRECISION,
+            q, m_i, l_i, acc, t, kv_lo, kv_hi, row_valid, q_pos, sliding_window, ctx_len, row_bits, kv_ptrs, strides,
+            kv_head, scale_log2, d_valid, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_WINDOW, USE_TREE, UPCAST,
+            DOT_PRECISION,
         )  # fmt: skip
     for t in range(f_hi, t_end):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, t, kv_lo, kv_hi, row_valid, q_pos, sliding_window, kv_ptrs, strides, kv_head,
-            scale_log2, d_valid, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, UPCAST, DOT_PRECISION,
+            q, m_i, l_i, acc, t, kv_lo, kv_hi, row_valid, q_pos, sliding_window, ctx_len, row_bits, kv_ptrs, strides,
+            kv_head, scale_log2, d_valid, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_TREE, UPCAST,
+            DOT_PRECISION,
         )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -313,6 +336,7 @@ def unified_attention(
     num_splits: int = 1,
     min_split_tokens: int = 0,  # keys a split takes at least (rounded down to tiles): the rest of the splits idle
     upcast: bool = False,
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64: token-tree masks (see CommonAttentionMetadata)
 ) -> torch.Tensor:
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
@@ -324,6 +348,7 @@ def unified_attention(
     assert block_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
     assert block_table.stride(-1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
     assert query_start_loc.shape[0] >= num_reqs + 1 and seq_lens.shape[0] >= num_reqs
+    assert tree_bits is None or (tree_bits.dtype == torch.int64 and tree_bits.is_contiguous()), tree_bits
     assert num_splits >= 1 and config.tile_n >= 16 and triton.next_power_of_2(config.tile_n) == config.tile_n
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -343,14 +368,15 @@ def unified_attention(
         part_acc = part_m = part_l = out  # unused when NUM_SPLITS == 1
     _unified_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
         out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-        part_acc, part_m, part_l,
+        part_acc, part_m, part_l, out if tree_bits is None else tree_bits,
         num_reqs, scale * math.log2(math.e), sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_Q=config.block_q, BLOCK_M=block_m, TILE_N=config.tile_n, NUM_SPLITS=num_splits,
         MIN_SPLIT_TILES=max(1, min_split_tokens // config.tile_n),
-        USE_WINDOW=sliding_window is not None, UPCAST=upcast or q.dtype == torch.float32,
+        USE_WINDOW=sliding_window is not None, USE_TREE=tree_bits is not None,
+        UPCAST=upcast or q.dtype == torch.float32,
         DOT_PRECISION="ieee" if (upcast or q.dtype == torch.float32) else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

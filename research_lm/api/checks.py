@@ -5,7 +5,8 @@ failing deep inside (`int('abc')` in the RNG, a float in `topk`) and taking the 
     checked("SamplingParams.seed", value, "int?")   # -> an int or None, else ValueError naming the field
 
 Kinds (a trailing "?" also takes None): int, posint (>= 1), count (>= 0), number (int or float, finite), bool,
-str, path (str or os.PathLike), ints (a list of ints), strs (a string or a list of strings; a string becomes [s]).
+str, path (str or os.PathLike), ints (a list of ints), strs (a string or a list of strings; a string becomes [s]),
+tree (vLLM's speculative_token_tree, checked as a tree: research_lm/worker/token_tree.py).
 numpy scalars pass as the Python type they stand for (and come back converted to it); bool is never a number.
 """
 
@@ -68,8 +69,19 @@ def _list_of(item: Callable[[Any], Any]) -> Callable[[Any], list]:
     return convert
 
 
+def _token_tree(v: Any) -> list[list[int]]:
+    """vLLM's speculative_token_tree (a list of tuples of child ranks, or its string form), breadth-first; a tree
+    that is no tree raises TokenTree.parse's ValueError, which names what is wrong."""
+    from research_lm.worker.token_tree import TokenTree
+
+    if not isinstance(v, str | list | tuple):
+        raise _Bad
+    return [list(path) for path in TokenTree.parse(v).paths]
+
+
 # kind -> (the rule an error states, conversion to the plain Python value that raises _Bad)
 KINDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "tree": ("a list of tuples of child ranks, as vLLM's speculative_token_tree", _token_tree),
     "int": ("an integer", _int),
     "posint": ("a positive integer", _at_least(1)),
     "count": ("a non-negative integer", _at_least(0)),

@@ -21,6 +21,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # left since last step: drop their rows
     preempted_req_ids: set[str] = field(default_factory=set)  # preempted: drop rows, reset state
     assumed: bool = False  # async scheduling: requests advanced at launch (`Scheduler.assume_launched`)
+    draft: bool = True  # whether the proposer drafts for the next step (the engine's speculation policy)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -18,12 +18,14 @@ from research_lm.engine.memory import num_kv_blocks, profile_peak_activation_byt
 from research_lm.engine.metrics import EngineMetrics
 from research_lm.engine.request import Request, RequestStatus
 from research_lm.engine.scheduler import Scheduler
+from research_lm.engine.spec_policy import build_policy
 from research_lm.engine.stop_strings import StopStrings
 from research_lm.eplb.controller import build_eplb_controller
 from research_lm.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
 from research_lm.ops import set_fused_ops
+from research_lm.worker.pending_step import PendingStep
 from research_lm.worker.rng import mix_seed
-from research_lm.worker.runner import ModelRunner, PendingStep
+from research_lm.worker.runner import ModelRunner
 from research_lm.worker.spec import DraftTarget, build_proposer
 
 _SEED_STREAM = 7  # derives per-request seeds from the engine seed
@@ -120,6 +122,7 @@ class LLMEngine:
             separate_prefill_tokens=self._separate_prefill_tokens(config.separate_prefills),
             disable_by_batch_size=(config.speculative_config or {}).get("disable_by_batch_size"),
         )
+        self.spec_policy = build_policy((config.speculative_config or {}).get("speculation_policy"))
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device)
         self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step
         self.metrics = EngineMetrics()
@@ -302,7 +305,11 @@ class LLMEngine:
         if self.ranks is not None:  # rank 0's tokens: the ranks' schedules cannot drift apart
             out = self.ranks.from_rank0(out)
         finished = self.scheduler.update_from_output(collecting.sched, out)
-        self.metrics.record_step(collecting.sched, out, self.scheduler.stats(), time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.metrics.record_step(collecting.sched, out, self.scheduler.stats(), seconds)
+        scheduled = collecting.sched.scheduled
+        if scheduled and all(s.num_new_tokens == s.num_spec_tokens + 1 for s in scheduled):  # decoding alone
+            self.spec_policy.record(len(scheduled), collecting.verifies, sum(map(len, out.sampled_token_ids)), seconds)
         return finished
 
     def _can_launch_ahead(self, step: PendingStep) -> bool:
@@ -310,10 +317,12 @@ class LLMEngine:
         scheduling cannot preempt; with a proposer, the scheduler's rules for a step ahead of verification too."""
         if not self.scheduler.has_unfinished_requests() or not self.runner.continues_on_device(step):
             return False
-        return self.scheduler.can_schedule_ahead(None if self.runner.proposer is None else step.sched)
+        drafts_pending = self.runner.proposer is not None and (step.verifies or step.num_proposed)
+        return self.scheduler.can_schedule_ahead(step.sched if drafts_pending else None)
 
     def _launch(self) -> PendingStep:
         sched = self.scheduler.schedule()
+        sched.draft = self.spec_policy.drafts(len(sched.scheduled))
         pending = self.runner.launch(sched)
         if self.eplb is not None:
             self.eplb.step()

@@ -249,7 +249,8 @@ class DecodeGraphs:
     `greedy_ids`; without, they hold the forward only. prefill_sizes: query lengths captured at B = 1 for
     one request's prompt or chunk, always forward only (`prefill` lists the captured ones). max_seq_len:
     max_model_len. num_drafts ([R] int32, the device table of real drafts per request row): verify graphs also
-    accept each request's drafts greedily (`GraphStep.accepted`)."""
+    accept each request's drafts greedily (`GraphStep.accepted`). tree_bits: verify graphs of a token tree attend
+    through these masks (`CommonAttentionMetadata.tree_bits`), written before each replay."""
 
     def __init__(
         self,
@@ -265,11 +266,13 @@ class DecodeGraphs:
         vocab_size: int | None = None,
         prefill_sizes: Sequence[int] = (),
         num_drafts: torch.Tensor | None = None,
+        tree_bits: torch.Tensor | None = None,
         capture: Capture | GraphPool = cuda_graph_capture,
     ):
         assert (compute_logits is None) == (vocab_size is None), "compute_logits needs vocab_size"
         self.buffers = buffers
         self.num_drafts = num_drafts
+        self.tree_bits = tree_bits  # [max tokens] int64: a token tree's masks, which verify graphs read in place
         # At most max_num_seqs requests and max_num_batched_tokens tokens per step.
         self.sizes: dict[int, list[int]] = {}  # query length -> captured batch sizes, ascending
         for q in sorted(set(query_lens)):
@@ -314,6 +317,8 @@ class DecodeGraphs:
                         (buf.query_start_loc, b + 1)):
             x.copy_to_gpu(rows)
         common = graph_metadata(buf, b, block_size, max_seq_len, q)
+        if self.tree_bits is not None and q > 1 and q not in self.prefill:
+            common.tree_bits = self.tree_bits[:t]  # refreshed before each replay (token_tree.TreeSteps.prepare)
         metadata = {backend.name: backend.build_graph_metadata(common) for backend in backends}
         self._metadata[b, q] = [(backend, metadata[backend.name]) for backend in backends]
         input_ids, positions = buf.input_ids.gpu[:t], buf.positions.gpu[:t]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
@@ -34,34 +33,15 @@ from research_lm.worker.cuda_graphs import (
     uncapturable_reason,
     unsupported_reason,
 )
+from research_lm.worker.pending_step import PendingStep
 from research_lm.worker.request_state import RequestState
-from research_lm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, plain_greedy
+from research_lm.worker.sampler import Sampler, plain_greedy
 from research_lm.worker.spec import Drafts, Proposer, StepOutcome
-from research_lm.worker.step_inputs import StepInputs, prepare_step_inputs
+from research_lm.worker.step_inputs import prepare_step_inputs
 from research_lm.worker.step_tokens import sample_or_verify
 from research_lm.worker.taps import HiddenStateTaps
+from research_lm.worker.token_tree import TreeSteps
 from research_lm.worker.verification import emitted_logprobs
-
-
-@dataclass
-class PendingStep:
-    """A launched step: its output when already known (an empty step), else what `collect` needs."""
-
-    sched: SchedulerOutput
-    output: RunnerOutput | None = None
-    inputs: StepInputs | None = None
-    outcome: StepOutcome | None = None
-    host: torch.Tensor | None = None  # [n * m + 2n] int64 pinned: emitted, their counts, real drafts verified
-    copied: torch.cuda.Event | None = None
-    logits: torch.Tensor | None = None  # kept for logprobs
-    batch: SamplingBatch | None = None
-    sampled: SamplerOutput | None = None  # plain sampling's, for its logprobs
-    drafted: Drafts | None = None  # drafted at launch, on the device
-    num_proposed: dict[str, int] | None = None  # then: request id -> draft slots of its next step (their count)
-    verifies: bool = False
-    packed_rows: int = 0  # requests in `host`'s layout (a graph's padded batch, or the step's)
-    t0: float = 0.0
-    draft_ms: float | None = None
 
 
 class ModelRunner:
@@ -86,8 +66,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.proposer = proposer
         # The target's cache layers, then the drafter's (draft model / EAGLE KV shares the block table).
-        self.cache_layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
-        self.cache_layers += list(proposer.cache_layers if proposer is not None else [])
+        target_layers = [m for m in model.modules() if isinstance(m, CacheLayer)]
+        self.cache_layers = target_layers + list(proposer.cache_layers if proposer is not None else [])
         self.backends = list({layer.backend.name: layer.backend for layer in self.cache_layers}.values())
         # Planning on the host's lengths rules out steps launched on guessed ones (on CPU the gather writes them).
         self._plans_on_host = device.type != "cpu" and any(
@@ -105,6 +85,8 @@ class ModelRunner:
             self.state.token_ids, self.state.num_computed, buf.block_table.gpu, buf.staging.gpu, buf.input_ids.gpu,
             buf.positions.gpu, buf.slot_mapping.gpu, buf.seq_lens.gpu, buf.query_start_loc.gpu, buf.request_rows.gpu,
             block_size=block_size)
+        tree = proposer.token_tree if proposer is not None else None  # a tree's two hooks (worker/token_tree.py)
+        self.tree = TreeSteps(tree, target_layers, self.backends, max_num_batched_tokens, device) if tree else None
         self.sampler = Sampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] q of its drafts
         self._host = HostIds(max_num_seqs * (k + 3), device)
@@ -156,7 +138,8 @@ class ModelRunner:
                 block_size=self.block_size, max_seq_len=self.max_model_len,
                 compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
                 prefill_sizes=prefill_sizes if multi_token else (), capture=capture,
-                num_drafts=self.state.num_drafts if self.proposer is not None else None)
+                num_drafts=self.state.num_drafts if self.proposer is not None and self.tree is None else None,
+                tree_bits=self.tree.bits if self.tree is not None else None)
             if self.proposer is not None:  # the drafter's prompt graphs: the lengths the target's serve
                 graphs = self.cuda_graphs
                 self.proposer.capture_cuda_graphs(
@@ -187,15 +170,17 @@ class ModelRunner:
         that the drafts' acceptance may change), and no backend plans on the host's (then guessed) lengths."""
         if step is not self._latest or step.output is not None:
             return False
-        if self.proposer is None:
-            return True
+        if self.proposer is None or (not step.verifies and step.drafted is not None and not step.drafted.index):
+            return True  # plain decoding on both sides (no proposer, or a policy that skipped drafting)
         requests = step.outcome.requests
         return (step.drafted is not None and not self._plans_on_host
                 and all(plain_greedy(r) and r.sampling_params.logprobs is None for r in requests))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:
-        """Enqueue one step (module docstring) and return without waiting for the device."""
+        """Enqueue one step (module docstring) and return without waiting for the device. sched.draft False: the
+        proposer drafts nothing for the next step, which then runs as plain decoding (the engine's speculation
+        policy)."""
         gone = sched.finished_req_ids | sched.preempted_req_ids
         self.state.remove(gone)
         for req_id in gone:
@@ -209,6 +194,9 @@ class ModelRunner:
         inputs = prepare_step_inputs(self.buffers, self.state, sched.scheduled, self.block_size, self.cuda_graphs,
                                      self._write_inputs)
         common = inputs.common
+        verifies = any(s.num_spec_tokens for s in sched.scheduled)
+        if self.tree is not None and (verifies or self.tree.replays_with_bits(inputs.graph_key)):
+            self.tree.prepare(common, self.buffers.positions.gpu, self.state.num_tokens)
         input_ids, positions = (x.gpu[: common.num_tokens] for x in (self.buffers.input_ids, self.buffers.positions))
         graph = None
         if inputs.graph_key is not None:
@@ -225,22 +213,24 @@ class ModelRunner:
             li = inputs.logits_indices
             logits = self.model.compute_logits(hidden if li is None else hidden[li])
 
-        step = PendingStep(sched, inputs=inputs, logits=logits, t0=t0,
-                           verifies=any(s.num_spec_tokens for s in sched.scheduled))
-        emitted, num_emitted, _, step.batch, step.sampled, packed, step.packed_rows = sample_or_verify(
+        step = PendingStep(sched, inputs=inputs, logits=logits, t0=t0, verifies=verifies)
+        emitted, num_emitted, _, step.batch, step.sampled, packed, step.packed_rows, path = sample_or_verify(
             inputs, sched.scheduled, logits, greedy_ids, input_ids, verifies=step.verifies, state=self.state,
             sampler=self.sampler, draft_probs=self.draft_probs, vocab_size=self.vocab_size,
-            accepted=graph.accepted if graph is not None else None)
+            accepted=graph.accepted if graph is not None else None, tree=self.tree and self.tree.tree)
+        taps = self.taps.values(common.num_tokens) if self.taps is not None else None
+        if path is not None:  # a token tree's accepted paths, moved to where a chain's would be
+            self.tree.compact(path, inputs, [hidden, *(taps or [])], logits, step.batch)
         self.state.advance(inputs.rows[: common.num_reqs], inputs.delta, emitted, num_emitted)
         if self.proposer is not None:
             step.outcome = StepOutcome(
                 requests=[s.request for s in sched.scheduled], input_ids=input_ids, positions=positions,
                 query_start_loc_cpu=common.query_start_loc_cpu, hidden_states=hidden,
-                aux_hidden_states=self.taps.values(common.num_tokens) if self.taps is not None else None,
+                aux_hidden_states=taps,
                 common=common, tokens=self.state.table(common.request_rows),
                 emitted_ids=emitted, num_emitted=num_emitted, greedy_ids=greedy_ids)
             t1 = time.perf_counter()
-            step.drafted = self.proposer.propose_on_device(step.outcome)
+            step.drafted = self.proposer.propose_on_device(step.outcome) if sched.draft else Drafts([], emitted[:0])
             if step.drafted is not None:
                 step.num_proposed = self._write_drafts(step.outcome, step.drafted)
                 step.draft_ms = (time.perf_counter() - t1) * 1e3

@@ -24,6 +24,7 @@ from attention_zoo.registries import Registry
 from research_lm.api.checks import checked
 from research_lm.engine.request import Request
 from research_lm.worker.rng import to_device
+from research_lm.worker.token_tree import TokenTree
 
 
 @dataclass
@@ -116,7 +117,10 @@ class Proposer(ABC):
     - `aux_hidden_state_layers`: target layers whose input residual streams it reads (EAGLE-3); () for none;
     - `num_lookahead_tokens`: KV slots its drafter writes past the verified tokens;
     - `needs_last_hit_block_recomputed`: its cached rows depend on the token after them (EAGLE);
-    - `cache_layers`: its drafter's `CacheLayer`s, allocated with the target's and sharing its block tables.
+    - `cache_layers`: its drafter's `CacheLayer`s, allocated with the target's and sharing its block tables;
+    - `token_tree`: the static tree its drafts fill (research_lm/worker/token_tree.py), or None for a chain. Then
+      `num_speculative_tokens` is its node count N: draft j of a request is node j + 1, and the runner verifies the
+      nodes as a tree.
     """
 
     num_speculative_tokens: int
@@ -124,6 +128,7 @@ class Proposer(ABC):
     num_lookahead_tokens: int = 0
     needs_last_hit_block_recomputed: bool = False
     cache_layers: Sequence[nn.Module] = ()
+    token_tree: TokenTree | None = None
 
     def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
         """At launch, behind the verification: the drafts of the step's requests from device values alone
@@ -185,7 +190,8 @@ def speculative_method(speculative_config: dict[str, Any]) -> str | None:
 # speculative_config keys every method reads (vLLM's names) -> the kind of its value (api/checks.py); None
 # leaves a key unset (conf/spec's yaml writes nulls). A method's own keys come with its registration.
 _COMMON_KEYS = {"method": "str?", "model": "path?", "num_speculative_tokens": "posint?",
-                "draft_tensor_parallel_size": "posint?", "disable_by_batch_size": "posint?"}
+                "draft_tensor_parallel_size": "posint?", "disable_by_batch_size": "posint?",
+                "speculation_policy": "str?"}
 _METHOD_KEYS: dict[str, dict[str, str]] = {}  # method -> its own keys -> their kinds (register_proposer)
 
 
@@ -217,6 +223,11 @@ def check_speculative_config(speculative_config: Mapping[str, Any]) -> dict[str,
     if unknown:  # a misspelt knob must not fall back to its default unnoticed
         raise ValueError(f"unknown speculative_config key(s) {unknown} for {method!r}; valid ones: {sorted(kinds)}")
     config = {k: checked(f"speculative_config[{k!r}]", v, kinds[k]) for k, v in config.items()}
+    from research_lm.engine.spec_policy import POLICIES
+
+    if config.get("speculation_policy") not in (None, *POLICIES):
+        raise ValueError(f"unknown speculation_policy {config['speculation_policy']!r}; "
+                         f"choose one of {sorted(POLICIES)}")
     if config.get("draft_tensor_parallel_size", 1) not in (1, None):
         raise ValueError(f"draft_tensor_parallel_size={config['draft_tensor_parallel_size']}: the drafter "
                          "runs on the target's one GPU (tensor parallelism is not implemented)")

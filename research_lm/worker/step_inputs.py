@@ -34,6 +34,7 @@ class StepInputs(NamedTuple):
     rows: torch.Tensor  # [b] int64 on the device: each request's table row (-1 on padding)
     delta: torch.Tensor  # [n] int64 on the device: num_new_tokens - drafts (what num_computed gains, rejections aside)
     samples: torch.Tensor  # [n] int64 on the device: 1 where the request samples
+    drafts: np.ndarray  # [n] int64 on the host: each request's draft slots
 
 
 def prepare_step_inputs(buf: StepBuffers, state: RequestState, scheduled: list[ScheduledRequest], block_size: int,
@@ -95,4 +96,4 @@ def prepare_step_inputs(buf: StepBuffers, state: RequestState, scheduled: list[S
     sample_rows = list(zip(req_of_row.tolist(), offset.tolist(), strict=True))
     logits_indices = None if s == t else dev[4 * b + 1 : 4 * b + 1 + s]
     return StepInputs(common, sample_rows, sampling.tolist(), graph_key, logits_indices, dev[:b],
-                      dev[2 * b + 1 : 2 * b + 1 + n], dev[3 * b + 1 : 3 * b + 1 + n])
+                      dev[2 * b + 1 : 2 * b + 1 + n], dev[3 * b + 1 : 3 * b + 1 + n], drafts)

@@ -11,6 +11,7 @@ from research_lm.worker.request_state import RequestState
 from research_lm.worker.rng import to_device
 from research_lm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, TokenHistory, plain_greedy
 from research_lm.worker.step_inputs import StepInputs
+from research_lm.worker.token_tree import DeviceTree
 from research_lm.worker.verification import verify_drafts
 
 
@@ -23,12 +24,13 @@ class StepTokens(NamedTuple):
     packed: torch.Tensor  # [b * m] or [b * m + 2b] int64, what the host copies: b requests' emitted tokens, then
     # on a verify step their counts and real drafts (b: the step's n, or a verify graph's padded B)
     packed_rows: int  # that b
+    path: torch.Tensor | None = None  # [n_s, m] a token tree's accepted path per sampling request (token_tree.py)
 
 
 def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy_ids: torch.Tensor | None,
                      input_ids: torch.Tensor, *, verifies: bool, state: RequestState, sampler: Sampler,
-                     draft_probs: dict[str, torch.Tensor], vocab_size: int, accepted: torch.Tensor | None = None
-                     ) -> StepTokens:
+                     draft_probs: dict[str, torch.Tensor], vocab_size: int, accepted: torch.Tensor | None = None,
+                     tree: DeviceTree | None = None) -> StepTokens:
     """Sample each sampling request's next token, or verify its drafts (`verifies`). accepted: the verify graph's
     greedy acceptance (`GraphStep.accepted`), taken as it is where every request is a plain-greedy verify of the
     graph's q tokens."""
@@ -53,15 +55,15 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
             ids = torch.zeros(n, dtype=torch.int64, device=device).index_copy_(0, index, ids)
         return StepTokens(ids[:, None], inputs.samples, None, batch, sampled, ids, n)
     table_rows = inputs.rows[:n] if index is None else inputs.rows[:n][index]
-    emitted, num_emitted, num_real = verify_drafts(
+    emitted, num_emitted, num_real, path = verify_drafts(
         scheduled, sampling, inputs.common.query_start_loc_cpu.numpy(), logits, greedy_ids, input_ids,
-        state.num_drafts[table_rows], batch, draft_probs)
+        state.num_drafts[table_rows], batch, draft_probs, tree)
     if index is not None:
         emitted = torch.full((n, emitted.shape[1]), -1, dtype=torch.int64, device=device).index_copy_(0, index, emitted)
         num_emitted = torch.zeros(n, dtype=torch.int32, device=device).index_copy_(0, index, num_emitted)
         num_real = torch.zeros(n, dtype=torch.int32, device=device).index_copy_(0, index, num_real)
     packed = torch.cat([emitted.view(-1), num_emitted.to(torch.int64), num_real.to(torch.int64)])
-    return StepTokens(emitted, num_emitted, num_real, batch, None, packed, n)
+    return StepTokens(emitted, num_emitted, num_real, batch, None, packed, n, path)
 
 
 def _graph_accepts(inputs: StepInputs, scheduled) -> bool:

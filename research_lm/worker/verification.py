@@ -19,6 +19,8 @@ from research_lm.engine.request import Logprob
 from research_lm.worker.rejection_sampler import rejection_sample
 from research_lm.worker.rng import to_device
 from research_lm.worker.sampler import SamplingBatch, compute_probs, gather_logprobs, logprobs_to_dicts
+from research_lm.worker.token_tree import DeviceTree
+from research_lm.worker.tree_verification import accept_tree_greedily, tree_rejection_sample
 
 
 def verify_drafts(
@@ -31,9 +33,11 @@ def verify_drafts(
     num_valid: torch.Tensor,  # [len(sampling)] int32 on the device: real drafts among each one's slots
     batch: SamplingBatch | None,  # None: every row plain greedy
     draft_probs: dict[str, torch.Tensor],  # request id -> [k, vocab] q of its drafts; verified ones are popped
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per sampling request: emitted tokens [n_s, k_max + 1] int64 (-1 after the emitted ones), how many [n_s]
-    int32, and its real drafts verified [n_s] int32, all on the device."""
+    tree: DeviceTree | None = None,  # the drafts are a token tree's nodes 1..N (research_lm/worker/token_tree.py)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per sampling request: emitted tokens [n_s, m] int64 (-1 after the emitted ones), how many [n_s] int32, its
+    real drafts verified [n_s] int32, and with a tree the accepted path [n_s, m] (node indices, -1 after), all on
+    the device."""
     device = input_ids.device
     reqs = [scheduled[i] for i in sampling]
     n = len(reqs)
@@ -56,11 +60,13 @@ def verify_drafts(
         drafts = input_ids[draft_token_t].view(n, k_max)
         num_real = torch.minimum(num_valid.to(torch.int64), d_t).to(torch.int32)
     q = [draft_probs.pop(s.request.request_id, None) for s in reqs]
+    if tree is not None:
+        return _verify_tree(tree, drafts, logits, greedy_ids, target_row_t, num_real, batch, reqs)
     if batch is None or batch.plain_argmax:
         target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
         target = (target if target_row_t is None else target[target_row_t]).view(n, k_max + 1)
         emitted, n_acc = accept_greedily(drafts, target, num_real)
-        return emitted, (n_acc + 1).to(torch.int32), num_real
+        return emitted, (n_acc + 1).to(torch.int32), num_real, None
     q_cat = None
     if any(x is not None for x in q) and all(x is not None for x, c in zip(q, d) if c):
         q_cat = torch.cat([x[:c] for x, c in zip(q, d) if c])
@@ -68,7 +74,29 @@ def verify_drafts(
         drafts.contiguous(), compute_probs(logits, batch), q_cat, [s.request.sampling_params.greedy for s in reqs],
         [s.request.seed for s in reqs], [s.request.num_output_tokens for s in reqs], num_drafts=d.tolist(),
         num_valid=num_real)
-    return emitted, (emitted >= 0).sum(dim=1).to(torch.int32), num_real
+    return emitted, (emitted >= 0).sum(dim=1).to(torch.int32), num_real, None
+
+
+def _verify_tree(tree: DeviceTree, drafts: torch.Tensor, logits: torch.Tensor, greedy_ids: torch.Tensor | None,
+                 target_row: torch.Tensor | None, num_real: torch.Tensor, batch: SamplingBatch | None,
+                 reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chain's layout read as a tree's (slot j = node j + 1; a request given fewer slots has the first nodes,
+    its others unreal): greedy longest path, or the multi-draft rejection rule (worker/tree_verification.py)."""
+    n, k = drafts.shape
+    nodes = torch.cat([drafts.new_zeros(n, 1), drafts], dim=1)  # node 0, the root, is no draft
+    parents = tree.parents[: k + 1].expand(n, k + 1)
+    if batch is None or batch.plain_argmax:
+        target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
+        target = (target if target_row is None else target[target_row]).view(n, k + 1)
+        emitted, num_emitted, path = accept_tree_greedily(nodes, parents, target, num_real,
+                                                          max_depth=tree.tree.depth)
+    else:
+        probs = compute_probs(logits, batch)
+        probs = (probs if target_row is None else probs[target_row]).view(n, k + 1, -1)
+        emitted, num_emitted, path = tree_rejection_sample(
+            nodes, parents, probs, [s.request.sampling_params.greedy for s in reqs], [s.request.seed for s in reqs],
+            [s.request.num_output_tokens for s in reqs], num_real, max_depth=tree.tree.depth)
+    return emitted, num_emitted.to(torch.int32), num_real, path
 
 
 def accept_greedily(

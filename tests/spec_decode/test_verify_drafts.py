@@ -41,7 +41,7 @@ def _step(params: list[SamplingParams], outputs: int = 2, seed: int = 0):
 def _verify(scheduled, sample_rows, logits, inputs, qsl, drafts, batch, num_valid=None):
     n = len(scheduled)
     valid = torch.full((n,), K, dtype=torch.int32) if num_valid is None else torch.tensor(num_valid, dtype=torch.int32)
-    emitted, count, real = verify_drafts(scheduled, list(range(n)), qsl, logits, None, inputs, valid, batch, {})
+    emitted, count, real, _ = verify_drafts(scheduled, list(range(n)), qsl, logits, None, inputs, valid, batch, {})
     return [row[:c].tolist() for row, c in zip(emitted, count, strict=True)], real.tolist()
 
 

@@ -1,0 +1,201 @@
+"""A static token tree of drafts (vLLM's `speculative_token_tree`), and what a verify step needs of it on the device.
+
+vLLM's format lists every draft node as the path of child ranks from the root: `[(0,), (1,), (0, 0), (0, 1)]` is the
+root's best and second-best child, then two children of the best. Node 0 is the root, the request's newest token (not a
+draft); the drafts are nodes 1..N in breadth-first order (by depth, then by path), so a node's parent comes before it.
+A verify step runs a request's N + 1 nodes as its query tokens, in that order, in consecutive KV slots:
+- node j's position is the root's plus its depth (`positions`), not plus j;
+- it attends to the context and to its ancestors only (`bits`: bit i set = it sees node i);
+- after verification the accepted path's KV and hidden rows move to where plain decoding would have put them
+  (depth d to slot d), so everything after the verification sees a chain.
+A chain of k drafts is the tree `[(0,), (0, 0), ...]`: node j at depth j, every bit below it set.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from attention_zoo import CommonAttentionMetadata
+from research_lm.worker.rng import to_device
+
+if TYPE_CHECKING:
+    from research_lm.worker.sampler import SamplingBatch
+    from research_lm.worker.step_inputs import StepInputs
+
+MAX_NODES = 62  # + the root: a node's ancestor mask fits one int64 (bit 63 stays clear)
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    paths: tuple[tuple[int, ...], ...]  # the draft nodes 1..N, breadth-first
+
+    @classmethod
+    def parse(cls, value: str | Sequence[Sequence[int]]) -> TokenTree:
+        """A tree from vLLM's `speculative_token_tree` (a list of rank tuples, or its string form); errors say what is
+        wrong with which path."""
+        if isinstance(value, str):
+            try:
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError) as e:
+                raise ValueError(f"speculative_token_tree={value!r} is not a list of tuples of child ranks") from e
+        if not isinstance(value, Sequence) or not value:
+            raise ValueError(f"speculative_token_tree must be a non-empty list of tuples of child ranks, got {value!r}")
+        paths = []
+        for path in value:
+            if (not isinstance(path, Sequence) or isinstance(path, str) or not path
+                    or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
+                raise ValueError(f"speculative_token_tree: {path!r} is not a non-empty tuple of child ranks >= 0")
+            paths.append(tuple(path))
+        if len(paths) > MAX_NODES:
+            raise ValueError(f"speculative_token_tree has {len(paths)} nodes; at most {MAX_NODES} are supported")
+        if len(set(paths)) != len(paths):
+            raise ValueError("speculative_token_tree lists a path twice")
+        known = set(paths)
+        for path in paths:
+            if len(path) > 1 and path[:-1] not in known:
+                raise ValueError(f"speculative_token_tree: {path} has no parent {path[:-1]} in the tree")
+            if path[-1] > 0 and (*path[:-1], path[-1] - 1) not in known:
+                raise ValueError(f"speculative_token_tree: {path} has no elder sibling {(*path[:-1], path[-1] - 1)}: "
+                                 "a node's child ranks are 0, 1, ... in order")
+        return cls(tuple(sorted(paths, key=lambda p: (len(p), p))))
+
+    @classmethod
+    def chain(cls, k: int) -> TokenTree:
+        return cls(tuple((0,) * d for d in range(1, k + 1)))
+
+    @property
+    def num_drafts(self) -> int:  # N
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:  # the longest path: what one verify step can emit at most, less the bonus token
+        return len(self.paths[-1])
+
+    @property
+    def is_chain(self) -> bool:
+        return self == TokenTree.chain(self.num_drafts)
+
+    @cached_property
+    def parents(self) -> tuple[int, ...]:  # [N + 1]: node 0's is -1
+        index = {path: j for j, path in enumerate(self.paths, start=1)}
+        return (-1, *(index.get(path[:-1], 0) for path in self.paths))
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:  # [N + 1]
+        return (0, *(len(path) for path in self.paths))
+
+    @cached_property
+    def ranks(self) -> tuple[int, ...]:  # [N + 1]: each node's rank among its siblings (the root's: 0)
+        return (0, *(path[-1] for path in self.paths))
+
+    @cached_property
+    def bits(self) -> tuple[int, ...]:  # [N + 1]: node j's ancestors and itself, bit i = node i
+        out = [1]
+        for j, parent in enumerate(self.parents[1:], start=1):
+            out.append(out[parent] | 1 << j)
+        return tuple(out)
+
+    def on(self, device: torch.device) -> DeviceTree:
+        return DeviceTree(self, device)
+
+
+class DeviceTree:
+    """A tree's tables on the device, made once: what the input gather, the attention mask, verification and the
+    path's compaction read."""
+
+    def __init__(self, tree: TokenTree, device: torch.device):
+        self.tree = tree
+        self.parents = torch.tensor(tree.parents, dtype=torch.int64, device=device)  # [N + 1]
+        self.depths = torch.tensor(tree.depths, dtype=torch.int64, device=device)  # [N + 1]
+        self.bits = torch.tensor(tree.bits, dtype=torch.int64, device=device)  # [N + 1]
+        self.ranks = torch.tensor(tree.ranks, dtype=torch.int64, device=device)  # [N + 1]
+        # [depth + 1]: the nodes of depth <= b, a prefix of 1..N (breadth-first)
+        self.within = torch.tensor([sum(d <= b for d in tree.depths[1:]) for b in range(tree.depth + 1)],
+                                   dtype=torch.int32, device=device)
+
+    def num_real(self, budgets: torch.Tensor) -> torch.Tensor:
+        """[n] int32: the real nodes of requests whose chain budget (drafts they may still emit) is budgets [n]."""
+        return self.within[budgets.long().clamp(0, self.tree.depth)]
+
+    def write_step_inputs(self, positions: torch.Tensor, tree_bits: torch.Tensor, num_tokens: torch.Tensor,
+                          common: CommonAttentionMetadata) -> None:
+        """After the gather: each draft node's position becomes its root's plus its depth and its mask its ancestors'
+        (tree_bits, -1 = causal for every other token). A draft sits at a row's token index num_tokens - 1 + j (j >=
+        1: node j) in the step, so this reads only device tables: right ahead of an unverified step too.
+        positions [>= T] int64, tree_bits [>= T] int64, num_tokens [R] int32 (the token table's counts)."""
+        t, n = common.num_tokens, common.num_reqs
+        pos = positions[:t]
+        req = torch.searchsorted(common.query_start_loc[1:].long(), torch.arange(t, device=pos.device), right=True)
+        row = common.request_rows[req.clamp(max=n - 1)].long()
+        root = num_tokens[row.clamp(min=0)].long() - 1
+        node = pos - root
+        is_draft = (row >= 0) & (node >= 1) & (node <= self.tree.num_drafts)
+        node = node.clamp(0, self.tree.num_drafts)
+        pos.copy_(torch.where(is_draft, root + self.depths[node], pos))
+        tree_bits[:t] = torch.where(is_draft, self.bits[node], -1)
+
+    def moves(self, path: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What moves each request's accepted path to a chain's rows: row first + j takes row first + path[j].
+        path [n, m] int64 (-1 after the path), first [n] int64 -> (moves, src, dst), each [n * m]. Fixed shapes, no
+        mask (a host sync): an entry off the path copies its row onto itself, and no row is both a moved one's
+        destination and another's (depth j's row takes only the path's node of depth j)."""
+        j = torch.arange(path.shape[1], device=path.device)
+        src = (first[:, None] + path.clamp(min=0)).view(-1)
+        moves = ((path >= 0) & (path != j)).view(-1)
+        return moves, src, torch.where(moves, (first[:, None] + j).view(-1), src)
+
+
+class TreeSteps:
+    """The runner's two token-tree hooks: before the forward, draft nodes get their depth's positions and their
+    ancestors' mask; after verification, each request's accepted path moves to a chain's rows and KV slots."""
+
+    def __init__(self, tree: TokenTree, target_layers: list, backends: list, max_num_tokens: int,
+                 device: torch.device):
+        unable = [b.name for b in backends if not b.capabilities.token_trees]
+        if unable:
+            raise ValueError(f"speculative_token_tree needs attention that masks a token tree; backend(s) {unable} "
+                             "cannot (torch_ref and triton can)")
+        if any(getattr(layer.spec, "sliding_window", None) for layer in target_layers):
+            raise ValueError("speculative_token_tree does not combine with sliding-window attention")
+        self.tree = tree.on(device)
+        self.target_layers = target_layers
+        self.bits = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+
+    def replays_with_bits(self, graph_key: tuple[int, int] | None) -> bool:
+        """Whether a step replays a verify graph, which reads `bits` whatever the step (DecodeGraphs tree_bits)."""
+        return graph_key is not None and graph_key[1] == self.tree.tree.num_drafts + 1
+
+    def prepare(self, common: CommonAttentionMetadata, positions: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """A step that verifies drafts, or replays a verify graph: positions [>= T] rewritten in place (draft nodes
+        only), `bits` written (-1, causal, for every other token) and common.tree_bits set."""
+        self.tree.write_step_inputs(positions, self.bits, num_tokens, common)
+        common.tree_bits = self.bits[: common.num_tokens]
+
+    def compact(self, path: torch.Tensor, inputs: StepInputs, hidden: list[torch.Tensor], logits: torch.Tensor,
+                batch: SamplingBatch | None) -> None:
+        """After verification: path [n_s, m] of the step's sampling requests, whose node 0 sits at qsl[i + 1] - d_i
+        - 1 of the step and at logits row sum of (d + 1) before it. hidden: [T, ...] tensors read after the step (the
+        final and tapped hidden states); the logits [rows, V] move too where the batch reads logprobs from them."""
+        qsl, drafts, sampling = inputs.common.query_start_loc_cpu.numpy(), inputs.drafts, inputs.sampling
+        slot_mapping = inputs.common.slot_mapping
+        logits = logits if batch is not None and batch.max_num_logprobs is not None else None
+        d = drafts[sampling]
+        first = np.concatenate([qsl[1:][sampling] - d - 1, np.cumsum(d + 1) - d - 1])
+        first = to_device(torch.from_numpy(first), torch.int64, path.device)
+        token_first, logits_first = first[: len(d)], first[len(d):]
+        moves, src, dst = self.tree.moves(path, token_first)
+        for x in hidden:
+            x.index_copy_(0, dst, x[src])
+        if logits is not None:
+            _, lsrc, ldst = self.tree.moves(path, logits_first)
+            logits.index_copy_(0, ldst, logits[lsrc])
+        src_slots, dst_slots = slot_mapping[src], torch.where(moves, slot_mapping[dst], -1)
+        for layer in self.target_layers:
+            layer.backend.copy_slots(layer.kv_cache, src_slots, dst_slots)
