@@ -32,6 +32,7 @@ from omegaconf.errors import (
 
 from research_lm.api.checks import describe_annotation, matches_annotation
 from research_lm.api.config import EngineConfig
+from research_lm.api.errors import RankLostError
 from research_lm.api.sampling_params import SamplingParams
 from research_lm.harness.workloads import WORKLOAD_KINDS, WorkloadSpec
 
@@ -43,7 +44,7 @@ class UsageError(ValueError):
 # Errors a run raises because of what the user asked for (a value, a path), not because of a bug: the CLI prints
 # their first line and exits 2. Anything else keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-               MissingMandatoryValue, InterpolationResolutionError)
+               MissingMandatoryValue, InterpolationResolutionError, RankLostError)
 
 
 def one_line(e: BaseException) -> str:

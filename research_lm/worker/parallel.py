@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from research_lm.api.errors import RankLostError
 
-class RankLostError(RuntimeError):
-    """A collective failed: another rank exited, crashed or stopped answering within the timeout."""
+__all__ = ["RankLostError", "TensorParallel", "guarded"]
 
 
 @contextlib.contextmanager

@@ -140,3 +140,12 @@ def test_a_lost_rank_ends_the_others_with_one_line(tiny_checkpoint, tmp_path, fa
             assert got["seconds"] < timeout_s / 2
         else:
             assert timeout_s <= got["seconds"] < timeout_s + 30
+
+
+def test_the_cli_prints_a_lost_rank_in_one_line():
+    """RankLostError is a user-facing error: the CLI's one line, without importing torch.distributed to know it."""
+    from research_lm.api.errors import RankLostError as light
+    from research_lm.harness.cli_checks import USER_ERRORS, one_line
+
+    assert light is RankLostError and issubclass(RankLostError, USER_ERRORS)
+    assert one_line(RankLostError("rank 1 of 2: an all-reduce failed\ndetails")) == "rank 1 of 2: an all-reduce failed"
