@@ -56,7 +56,9 @@ from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
 from research_lm.worker.cuda_graphs import Capture, GraphPool, uncapturable_reason
 from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, TokenTable, register_proposer
+from research_lm.worker.token_tree import TokenTree
 from spec_decode.draft_graphs import DraftGraphs
+from spec_decode.eagle_tree import EagleTree
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
@@ -256,18 +258,20 @@ class EagleProposer(Proposer):
     overwriting whatever drafting wrote there last step; so after partial acceptance, preemption
     (the target restarts at c = 0 or a prefix hit) or a prefill chunk, the head's KV below the
     target's computed tokens is exactly what the target's features give. Then up to k - 1 chained
-    single-token steps at positions n, n+1, ... (the scheduler's lookahead slots).
+    single-token steps at positions n, n+1, ... (the scheduler's lookahead slots); or, with a static
+    token tree, its levels (spec_decode/eagle_tree.py: eager, at collect).
     """
 
     def __init__(
         self, head: EagleHead | Eagle3Head, target: DraftTarget, *, num_speculative_tokens: int,
         vocab_size: int, max_model_len: int, aux_hidden_state_layers: tuple[int, ...] = (),
+        token_tree: TokenTree | None = None,
     ):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.head = head
         self.target_embed, self.target_logits = target.embed_tokens, target.compute_logits
-        self.num_speculative_tokens = num_speculative_tokens
+        self.num_speculative_tokens = num_speculative_tokens if token_tree is None else token_tree.num_drafts
         self.num_lookahead_tokens = num_speculative_tokens - 1  # chained rows at n .. n+k-2
         # The head's row at p reads the token at p + 1: a prefix-cache hit must leave its last block
         # to be recomputed, or that row keeps the token of whichever request cached it.
@@ -277,6 +281,12 @@ class EagleProposer(Proposer):
         self.max_model_len = max_model_len
         self.cache_layers = cache_layers_of(head)
         self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
+        self.token_tree = token_tree
+        self.tree_drafter: EagleTree | None = None
+        if token_tree is not None:
+            self.tree_drafter = EagleTree(token_tree, self._forward, self._logits, self.cache_layers, vocab_size,
+                                          head.fc.weight.device)
+            self.num_lookahead_tokens = self.tree_drafter.num_lookahead_tokens
 
     def _embedding(self) -> nn.Module:
         return self.head.embed_tokens if self.head.embed_tokens is not None else self.target_embed
@@ -321,16 +331,18 @@ class EagleProposer(Proposer):
         """Draft this step from the "verified" graph, right behind the verify forward, from device values alone
         (`spec_decode.heads.draft_before_verification`). For request r the entry is then its emitted tokens (the
         verify's argmax at rows 0 .. n_acc) at positions c .. c + n_acc, exactly the rows `propose` would enter, and
-        its drafts are the same. None where it cannot (then `propose` drafts at collect)."""
+        its drafts are the same. None where it cannot (then `propose` drafts at collect), as with a token tree."""
+        if self.tree_drafter is not None:
+            return None
         return draft_before_verification(
             self.graphs, outcome, lambda out: self._target_features(outcome, slice(0, len(out)), out))
 
-    def propose(self, outcome: StepOutcome) -> Drafts:
+    def _entry_span(self, outcome: StepOutcome) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """The entry rows (x[t+1], feature_t) for the verified positions t = c .. end-1 of every request:
+        (batch_rows, starts, lens, tokens, feature_rows), as `_entry` takes them."""
         reqs, emitted = outcome.requests, outcome.emitted
-        drafting = start_drafting(reqs, emitted, self.num_speculative_tokens, self.max_model_len)
         qsl = outcome.query_start_loc_cpu.tolist()
         computed = outcome.common.num_computed_tokens_cpu.tolist()
-        # Rows (x[t+1], feature_t) for the verified positions t = c .. end-1 of every request.
         batch_rows, starts, lens, tokens, feature_rows = [], [], [], [], []
         for i, (req, e) in enumerate(zip(reqs, emitted, strict=True)):
             c = computed[i]
@@ -340,6 +352,13 @@ class EagleProposer(Proposer):
             lens.append(count)
             tokens += token_span(req, e, c + 1, c + 1 + count)
             feature_rows += range(qsl[i], qsl[i] + count)
+        return batch_rows, starts, lens, tokens, feature_rows
+
+    def propose(self, outcome: StepOutcome) -> Drafts:
+        if self.tree_drafter is not None:
+            return self._propose_tree(outcome)
+        drafting = start_drafting(outcome.requests, outcome.emitted, self.num_speculative_tokens, self.max_model_len)
+        batch_rows, starts, lens, tokens, feature_rows = self._entry_span(outcome)
         graphs_fit = self.graphs is not None and self.graphs.serves(len(lens))
         rule = drafting.pick_rule(self.vocab_size) if graphs_fit else None
         if rule is not None:
@@ -362,13 +381,30 @@ class EagleProposer(Proposer):
         drafting.chain(self._logits(out[last]), last_pos, self.vocab_size, step, carry=hidden[last])
         return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
+    def _propose_tree(self, outcome: StepOutcome) -> Drafts:
+        """The entry forward as for a chain, then the tree's levels from each drafting request's last row. Every
+        request drafts the same deterministic top-k tree, whatever it samples; its chain budget (as many drafts as a
+        chain of the tree's depth) says which nodes are real."""
+        drafting = start_drafting(outcome.requests, outcome.emitted, self.token_tree.depth, self.max_model_len)
+        span = self._entry_span(outcome)
+        out, hidden = self._entry(outcome, *span)
+        if not drafting.index:
+            return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
+        starts, lens = span[1], span[2]
+        last = (torch.tensor(lens).cumsum(0) - 1)[drafting.index].to(out.device)  # each request's last row
+        roots = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
+        return self.tree_drafter.draft(outcome.common, drafting.index, drafting.budget, roots, out[last], hidden[last])
+
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture | GraphPool, block_size: int,
                             max_blocks_per_req: int,
                             verified_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             tokens: TokenTable | None = None, prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
         "verified" ones (where the runner hands over its token table) read the target's argmax and input ids in
-        place where the runner hands their buffers over, and write the drafts into the table."""
+        place where the runner hands their buffers over, and write the drafts into the table. None with a token
+        tree (trees draft eagerly, so far)."""
+        if self.tree_drafter is not None:
+            return
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.head, backends, lengths_on_device=True) is not None:
             return
@@ -394,11 +430,15 @@ class EagleProposer(Proposer):
 # Loading
 
 
-def _num_speculative_tokens(speculative_config: dict[str, Any], method: str) -> int:
+def _speculation(speculative_config: dict[str, Any], method: str) -> tuple[int, TokenTree | None]:
+    """(num_speculative_tokens, the static token tree or None). With a tree, num_speculative_tokens is its node
+    count; the config may leave it out or give the node count (vLLM's meaning) or the depth."""
     k = speculative_config.get("num_speculative_tokens")
+    if (tree := TokenTree.of_config(speculative_config)) is not None:
+        return tree.num_drafts, tree
     if k is None:
         raise ValueError(f"speculative_config for {method!r} needs num_speculative_tokens")
-    return int(k)
+    return int(k), None
 
 
 def _build_context(target: DraftTarget) -> ModelBuildContext:
@@ -431,10 +471,11 @@ def _check_common(what: str, cfg: SimpleNamespace, tensors: dict[str, torch.Tens
         )
 
 
-@register_proposer("eagle")
+@register_proposer("eagle", speculative_token_tree="tree?")
 def build_eagle_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> EagleProposer:
     path = head_dir(speculative_config, "eagle")
     what = f"EAGLE head {path}"
+    k, tree = _speculation(speculative_config, "eagle")
     cfg = llama_like_config(read_json_config(path), path)
     tensors = read_head_tensors(path)
     if "midlayer.self_attn.q_proj.weight" in tensors or "d2t" in tensors:
@@ -450,10 +491,8 @@ def build_eagle_proposer(speculative_config: dict[str, Any], target: DraftTarget
                     "hidden x [embedding; target feature]")
     head = EagleHead(cfg, _build_context(target), tensors)
     _load(head, tensors, what, {n for n in tensors if is_rotary_buffer(n)})
-    return EagleProposer(
-        head, target, num_speculative_tokens=_num_speculative_tokens(speculative_config, "eagle"),
-        vocab_size=target.vocab_size, max_model_len=target.max_model_len,
-    )
+    return EagleProposer(head, target, num_speculative_tokens=k, vocab_size=target.vocab_size,
+                         max_model_len=target.max_model_len, token_tree=tree)
 
 
 def eagle3_aux_layers(
@@ -502,10 +541,11 @@ def _draft_vocab_map(
     return mapped
 
 
-@register_proposer("eagle3", eagle_aux_hidden_state_layer_ids="ints?")
+@register_proposer("eagle3", eagle_aux_hidden_state_layer_ids="ints?", speculative_token_tree="tree?")
 def build_eagle3_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> EagleProposer:
     path = head_dir(speculative_config, "eagle3")
     what = f"EAGLE-3 head {path}"
+    k, tree = _speculation(speculative_config, "eagle3")
     raw = read_json_config(path)
     cfg = llama_like_config(raw, path)
     tensors = read_head_tensors(path)
@@ -540,7 +580,5 @@ def build_eagle3_proposer(speculative_config: dict[str, Any], target: DraftTarge
     head = Eagle3Head(cfg, _build_context(target), tensors, len(aux) * target_hidden, draft_vocab, target_vocab)
     _load(head, tensors, what, {"d2t", "t2d"} | {n for n in tensors if is_rotary_buffer(n)})
     head.draft_to_target.copy_(mapped)
-    return EagleProposer(
-        head, target, num_speculative_tokens=_num_speculative_tokens(speculative_config, "eagle3"),
-        vocab_size=target_vocab, max_model_len=target.max_model_len, aux_hidden_state_layers=aux,
-    )
+    return EagleProposer(head, target, num_speculative_tokens=k, vocab_size=target_vocab,
+                         max_model_len=target.max_model_len, aux_hidden_state_layers=aux, token_tree=tree)

@@ -395,6 +395,7 @@ def draft_metadata(
     starts: Sequence[int],  # [R] first position each draft request computes
     lens: Sequence[int],  # [R] tokens each computes (>= 1)
     layers: Sequence[CacheLayer],
+    tree_bits: torch.Tensor | None = None,  # [T] int64: token-tree masks over each request's query tokens
 ) -> tuple[torch.Tensor, dict[str, Any]]:  # positions [T] int64 (device), backend name -> metadata
     """A draft forward's positions and attention metadata; KV goes to the slots of those positions."""
     device = step.block_table.device
@@ -431,6 +432,7 @@ def draft_metadata(
         max_query_len=int(lens_np.max()),
         max_seq_len=int(seq_lens_np.max()),
         block_size=bs,
+        tree_bits=tree_bits,
     )
     backends = {layer.backend.name: layer.backend for layer in layers}
     return positions, {name: b.build_metadata(common) for name, b in backends.items()}

@@ -243,11 +243,7 @@ def load_medusa_heads(path: Path, *, hidden_size: int, vocab_size: int, build: M
 def build_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> MedusaProposer:
     path = head_dir(speculative_config, "medusa")
     k = speculative_config.get("num_speculative_tokens")
-    tree = speculative_config.get("speculative_token_tree")
-    tree = TokenTree.parse(tree) if tree is not None else None
-    if tree is not None and k not in (None, tree.depth, tree.num_drafts):
-        raise ValueError(f"num_speculative_tokens={k} is neither the node count {tree.num_drafts} (vLLM's meaning) nor "
-                         f"the depth {tree.depth} of speculative_token_tree; leave it out with a tree")
+    tree = TokenTree.of_config(speculative_config)
     k = tree.depth if tree is not None else k
     if k is None:
         raise ValueError("speculative_config for 'medusa' needs num_speculative_tokens")

@@ -1,4 +1,4 @@
-"""What a result was measured on: versions, device, git commit, command line."""
+"""What a result was measured on: versions, device, the machine (and SLURM job), git commit, command line."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import platform
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ import torch
 
 _PACKAGES = ("torch", "triton", "transformers", "safetensors", "numpy", "hydra-core", "wandb", "flashinfer-python")
 CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints.txt"  # the tested versions (README's install)
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_ARRAY_TASK_ID")
+_SUBMITIT_JOB = "submitit.core._submit"  # the module a submitit job process is started as
 
 
 def _version(pkg: str) -> str | None:
@@ -60,6 +63,13 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def where_ran(environ: dict[str, str] | None = None) -> dict[str, object]:
+    """The machine a job ran on (`hostname`) and, under SLURM, its job: `slurm` maps each of SLURM_VARIABLES to
+    its value, None where unset (outside SLURM all are), so a report can tell a sweep's machines apart."""
+    environ = os.environ if environ is None else environ
+    return {"hostname": socket.gethostname(), "slurm": {name: environ.get(name) for name in SLURM_VARIABLES}}
+
+
 def command_line(argv: list[str] | None = None, orig_argv: list[str] | None = None) -> str:
     """The command as the user typed it: `python -m research_lm experiment=eagle3 ...`, `python
     experiments/bench_decode.py --profile`, shell-quoted (`'workload.input_len=[128,128]'`).
@@ -67,9 +77,12 @@ def command_line(argv: list[str] | None = None, orig_argv: list[str] | None = No
     From `sys.orig_argv` (the interpreter's own argv, options and `-m <module>` included) when it agrees
     with `sys.argv`; with the interpreter written by its name (`python`), not its path. Otherwise (a
     worker process, e.g. a joblib sweep job, whose orig_argv is the worker's own launch while sys.argv is
-    its parent's) from `sys.argv`, a path inside a package turned back into `-m <package.module>`."""
+    its parent's) from `sys.argv`, a path inside a package turned back into `-m <package.module>`. A submitit
+    job (hydra/launcher=submitit_*) runs as `python -m submitit.core._submit <folder>`: its sweep's command."""
     argv = list(sys.argv if argv is None else argv)
     orig = list(getattr(sys, "orig_argv", None) or [] if orig_argv is None else orig_argv)
+    if _SUBMITIT_JOB in orig and (sweep := submitit_sweep_command()):
+        return sweep
     args = argv[1:]
     n = len(orig) - len(args)  # orig[n:] should be the arguments; orig[n - 1] the script, `-c`, or the module
     if orig and n >= 2 and orig[n:] == args:
@@ -82,6 +95,24 @@ def command_line(argv: list[str] | None = None, orig_argv: list[str] | None = No
     module = _module_of(argv[0]) if argv else None
     head = ["-m", module] if module else argv[:1]
     return shlex.join(["python", *head, *args])
+
+
+def submitit_sweep_command() -> str | None:
+    """`python -m research_lm -m <the sweep's overrides>` of the Hydra sweep this process is a job of, as typed
+    (`runner.max_num_seqs=1,2`), from the multirun.yaml Hydra writes into the sweep folder before it submits the
+    jobs (a submitit job's own argv is submitit's); None outside a Hydra job or without that file. research_lm
+    is the only Hydra app here, so the module is named, not found."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return None
+    recorded = Path(HydraConfig.get().sweep.dir) / "multirun.yaml"
+    if not recorded.is_file():
+        return None
+    overrides = OmegaConf.load(recorded).hydra.overrides
+    args = [o for o in (*overrides.hydra, *overrides.task) if o != "hydra.mode=MULTIRUN"]
+    return shlex.join(["python", "-m", "research_lm", "-m", *args])
 
 
 def _module_of(path: str) -> str | None:
@@ -107,6 +138,7 @@ def environment(device: torch.device) -> dict[str, object]:
         "platform": platform.platform(),
         "device": str(device),
         "device_name": device_name(device),
+        **where_ran(),
         "cpu_count": torch.get_num_threads(),
         "packages": (packages := {p: _version(p) for p in _PACKAGES}),
         "differs_from_constraints": lock_differences(packages, locked_versions()),

@@ -29,6 +29,7 @@ from research_lm.harness.loggers import get_logger
 from research_lm.harness.report import describe_head
 from research_lm.harness.spec_notes import SPEC_HEAD_PRESETS, head_record, quick_head_note, speculation_note
 from research_lm.harness.workloads import WorkloadSpec, build_workload
+from research_lm.worker.token_tree import TokenTree
 
 # Tasks registered here, and by modules imported when first asked for (their import registers them).
 TASKS: Registry[Callable[..., dict[str, Any]]] = Registry("task", {
@@ -229,7 +230,9 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
         baseline = run_workload(baseline_config(cfg), run_dir / "baseline")
         summary.update(compare_to_baseline(main, baseline))
     # strings derived from timings stay out of `summary`: reproduce compares its untimed keys exactly
-    k = int(cfg.spec.get("num_speculative_tokens") or 0)
+    tree = cfg.spec.get("speculative_token_tree")  # a token tree: tau is bounded by its depth + 1
+    k = (TokenTree.parse(OmegaConf.to_container(tree)).depth if tree
+         else int(cfg.spec.get("num_speculative_tokens") or 0))
     notes = [n for n in (quick_head_note(head), speculation_note(summary, k, cfg.spec.get("method"))) if n]
     results = {
         "summary": summary,

@@ -9,7 +9,8 @@ overrides whose values differ between jobs (from each job's .hydra/overrides.yam
 values that differ). Writes, next to the runs:
 - report.md: what was run (commit, device, command), a markdown table with a row per job: the swept
   keys and the key metrics of its task (throughput, latency, KV memory, acceptance, speedup, ...);
-  for `eplb_replay` jobs a row per trace x policy;
+  for `eplb_replay` jobs a row per trace x policy; when the jobs ran on more than one machine (a SLURM
+  sweep: each job's env.json `hostname`), a line naming the hosts and a `host` column;
 - report_<metric>_vs_<key>.png: each key metric against each numeric swept key, one line per
   combination of the other swept keys (e.g. throughput vs batch per attention backend; tau and
   speedup vs k per proposer); report_<metric>.png: a bar per job when no swept key is numeric;
@@ -189,7 +190,7 @@ class Cell(Job):
                 "baseline": None if not base else {"summary": base["summary"], "spread": self.baseline_spread,
                                                    "repeats": base.get("repeats")},
                 "rows": self.results.get("rows"), "curves": self.results.get("curves"),
-                "spec_head": self.results.get("spec_head"), "notes": _notes(self)}
+                "spec_head": self.results.get("spec_head"), "notes": _notes(self), "hosts": job_hosts(self)}
 
 
 def _notes(job: Job) -> list[str]:
@@ -246,6 +247,17 @@ def collect(root: Path) -> list[Job]:
     for sub in sorted((p for p in root.iterdir() if p.is_dir()), key=_natural):
         jobs += collect(sub) if not sub.name.startswith(".") else []
     return jobs
+
+
+def job_hosts(job: Job) -> list[str]:
+    """The machines a job (or each repeat of a Cell) ran on, from env `hostname`; [] for runs recorded without it."""
+    runs = job.jobs if isinstance(job, Cell) else [job]
+    return list(dict.fromkeys(h for j in runs if (h := (j.results.get("env") or {}).get("hostname"))))
+
+
+def sweep_hosts(jobs: list[Job]) -> list[str]:
+    """Every machine the jobs ran on, in first-seen order."""
+    return list(dict.fromkeys(h for j in jobs for h in job_hosts(j)))
 
 
 def _natural(p: Path) -> list:
@@ -320,30 +332,37 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
                      f"torch {(env.get('packages') or {}).get('torch')}; commit {git.get('commit')}"
                      f"{' (dirty)' if git.get('dirty') else ''}; {env.get('date')}.")
         lines.append(f"Command: `{env.get('command')}`.")
+    hosts = sweep_hosts(jobs)
+    if len(hosts) > 1:  # jobs on several machines (a SLURM sweep): which ran where is the table's `host` column
+        lines.append(f"Hosts: {len(hosts)} machines: {', '.join(hosts)}.")
     lines.append("")
     plain = [c for c in cells if c.task != "eplb_replay"]
     if plain:
         cols = metric_columns(plain)
         # which head drafted, and how long it was trained: a quick head's acceptance is no trained head's
         heads = ["head"] if any(c.results.get("spec_head") for c in plain) else []
+        host = ["host"] if len(hosts) > 1 else []
         rows = []
         for c in plain:
             rows.append([c.name, *[c.value(k) for k in keys], *[describe_head(c.results.get("spec_head")) or "—"
                                                                 for _ in heads],
+                         *[", ".join(job_hosts(c)) or "—" for _ in host],
                          *[fmt_spread(c.summary.get(c_), c.spread.get(c_)) for c_ in cols]])
             base = c.results.get("baseline")
             if base:  # the same workload on the baseline config, measured in the same process
                 what = ", ".join(f"{k}={fmt(v)}" for k, v in (base.get("overrides") or {}).items())
                 rows.append([f"{c.name} baseline ({what})", *["" for _ in keys], *["" for _ in heads],
+                             *["" for _ in host],
                              *[fmt_spread(base["summary"].get(m), c.baseline_spread.get(m)) for m in cols]])
-        lines += _table(["job" if not repeated else "jobs", *[f"`{k}`" for k in keys], *heads, *cols], rows)
+        lines += _table(["job" if not repeated else "jobs", *[f"`{k}`" for k in keys], *heads, *host, *cols], rows)
         lines.append("")
         notes = [(c, n) for c in plain for n in _notes(c)]
         if notes:  # what the run found questionable in its own numbers (spec_notes.speculation_note, ...)
             lines += ["Notes:", ""] + [f"- {c.name}{f' ({c.label})' if c.label != c.name else ''}: {n}"
                                        for c, n in notes] + [""]
     for cell in (c for c in cells if c.task == "eplb_replay"):
-        lines.append(f"## EPLB replay: {cell.label}" if len(cells) > 1 else "## EPLB replay")
+        where = f" (host {', '.join(job_hosts(cell))})" if len(hosts) > 1 else ""
+        lines.append(f"## EPLB replay: {cell.label}{where}" if len(cells) > 1 else "## EPLB replay")
         lines.append("")
         eplb_rows = cell.results.get("rows", [])
         cols = [c for c in EPLB_COLUMNS if any(c in r for r in eplb_rows)]
@@ -378,13 +397,14 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
                      "given, trained on the fly by the run, or reused from an earlier one) and its training steps.")
     out = root / "report.md"
     out.write_text("\n".join(lines) + "\n")
-    data = {"root": str(root), "env": env, "swept": all_keys, "repeat_key": repeat_key if repeated else None,
+    data = {"root": str(root), "env": env, "hosts": hosts, "swept": all_keys,
+            "repeat_key": repeat_key if repeated else None,
             "keys": keys, "plots": [p.name for p in written],
             "cells": [c.record() if isinstance(c, Cell) else
                       {"jobs": [str(c.path)], "num_repeats": 1, "overrides": c.overrides, "summary": c.summary,
                        "baseline": c.results.get("baseline"), "rows": c.results.get("rows"),
                        "curves": c.results.get("curves"), "spec_head": c.results.get("spec_head"),
-                       "notes": _notes(c)} for c in cells]}
+                       "notes": _notes(c), "hosts": job_hosts(c)} for c in cells]}
     (root / "report.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     return out
 

@@ -67,6 +67,19 @@ class TokenTree:
         return cls(tuple(sorted(paths, key=lambda p: (len(p), p))))
 
     @classmethod
+    def of_config(cls, speculative_config: dict) -> TokenTree | None:
+        """The config's speculative_token_tree, or None; with a tree, num_speculative_tokens may be left out or be its
+        node count (vLLM's meaning) or its depth, nothing else."""
+        tree = speculative_config.get("speculative_token_tree")
+        if tree is None:
+            return None
+        tree, k = cls.parse(tree), speculative_config.get("num_speculative_tokens")
+        if k not in (None, tree.depth, tree.num_drafts):
+            raise ValueError(f"num_speculative_tokens={k} is neither the node count {tree.num_drafts} (vLLM's meaning) "
+                             f"nor the depth {tree.depth} of speculative_token_tree; leave it out with a tree")
+        return tree
+
+    @classmethod
     def chain(cls, k: int) -> TokenTree:
         return cls(tuple((0,) * d for d in range(1, k + 1)))
 

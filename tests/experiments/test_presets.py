@@ -14,11 +14,11 @@ from .conftest import CONF_DIR, PRESETS, run_cli
 
 REQUIRED = {"quickstart", "eagle3", "eagle", "medusa", "ngram", "draft_model", "spec_ablation", "attention_ablation",
             "mla", "sliding_window", "mamba", "eplb_ablation", "train_target", "train_eagle3", "train_medusa",
-            "train_draft", "bench_decode", "bench_throughput"}
+            "train_draft", "bench_decode", "bench_throughput", "spec_tree"}
 # Run to the end below (tiny workloads); the train_* presets have their own tests in tests/train/. medusa trains its
 # head on the fly (2 steps): no medusa head ships.
 QUICK = ["ngram", "sliding_window", "mla", "mamba", "bench_decode", "bench_throughput", "attention_ablation",
-         "eplb_ablation", "eagle3", "medusa"]
+         "eplb_ablation", "eagle3", "medusa", "spec_tree"]
 
 
 def test_every_required_preset_exists():
@@ -90,6 +90,13 @@ def test_spec_presets_report_acceptance_and_identical_outputs(preset_runs):
     assert 0 < s["draft_alpha"] < 1 and 1.0 < s["leviathan_tau"] < 1 + preset_runs["eagle3"]["config"]["spec"][
         "num_speculative_tokens"]
     assert not (preset_runs["eagle3"]["_dir"] / "prepare").exists()  # the built-in head needs no training
+
+
+def test_spec_tree_verifies_a_tree_and_keeps_the_outputs(preset_runs):
+    run = preset_runs["spec_tree"]
+    assert run["config"]["spec"]["method"] == "eagle3" and len(run["config"]["spec"]["speculative_token_tree"]) == 16
+    assert run["summary"]["outputs_match_baseline"] == 1.0 and run["summary"]["mean_acceptance_length"] > 1.0
+    assert not any("of at most 1:" in note for note in run["notes"])  # the note bounds tau by the tree's depth + 1
 
 
 def test_spec_presets_name_the_head_that_drafted(preset_runs):
