@@ -79,7 +79,7 @@ class LLMEngine:
                 num_hidden_layers=self.hf_config.num_hidden_layers, max_model_len=max_len,
                 attention_backend=config.attention_backend, model_extra={**config.model_extra(), "eplb": None},
                 trust_remote_code=config.trust_remote_code, embed_tokens=self.model.get_input_embeddings(),
-                compute_logits=self.model.compute_logits)
+                compute_logits=self.model.compute_logits, model_path=path)
             proposer = build_proposer(dict(config.speculative_config), target)
         for module in (self.model, *(proposer.drafters() if proposer else [])):  # fused_ops reach the drafter too
             set_fused_ops(module, config.fused_ops)

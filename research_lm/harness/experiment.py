@@ -34,7 +34,8 @@ from research_lm.worker.token_tree import TokenTree
 # Tasks registered here, and by modules imported when first asked for (their import registers them).
 TASKS: Registry[Callable[..., dict[str, Any]]] = Registry("task", {
     name: "research_lm.harness.train.tasks"
-    for name in ("train_target", "train_eagle3", "train_eagle", "train_medusa", "train_draft", "train_moe")})
+    for name in ("train_target", "train_eagle3", "train_eagle", "train_medusa", "train_draft", "train_moe",
+                 "train_mtp")})
 register_task = TASKS.register
 
 

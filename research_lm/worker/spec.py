@@ -101,6 +101,7 @@ class DraftTarget:
     trust_remote_code: bool  # for a draft model's checkpoint, as for the target's
     embed_tokens: nn.Module  # the target's input embedding, [vocab, hidden]
     compute_logits: Callable[[torch.Tensor], torch.Tensor]  # the target's LM head: [n, hidden] -> [n, vocab] fp32
+    model_path: Path | None = None  # the target's checkpoint directory (an MTP head reads its extra layers there)
 
 
 class Proposer(ABC):

@@ -22,7 +22,7 @@ from research_lm.worker.spec import (
     register_proposer,
 )
 
-METHODS = ["draft_model", "eagle", "eagle3", "medusa", "ngram", "suffix"]
+METHODS = ["deepseek_mtp", "draft_model", "eagle", "eagle3", "medusa", "mtp", "ngram", "suffix"]
 _NAMES_SPEC_DECODE = re.compile(r"^\s*(import|from)\s+spec_decode\b|[\"']spec_decode\.", re.M)
 
 

@@ -30,9 +30,11 @@ _OBJECTIVES = {
     "eagle": "research_lm.harness.train.eagle:EagleObjective",
     "medusa": "research_lm.harness.train.medusa:MedusaObjective",
     "draft_model": "research_lm.harness.train.draft:DraftObjective",
+    "mtp": "research_lm.harness.train.mtp:MtpObjective",
 }
 METHODS = tuple(_OBJECTIVES)
-TASKS = {"eagle3": "train_eagle3", "eagle": "train_eagle", "medusa": "train_medusa", "draft_model": "train_draft"}
+TASKS = {"eagle3": "train_eagle3", "eagle": "train_eagle", "medusa": "train_medusa", "draft_model": "train_draft",
+         "mtp": "train_mtp"}
 
 
 def build_objective(method: str, target: FrozenTarget, data: PackedData, head: dict[str, Any]):
