@@ -2,7 +2,7 @@
 # GPU checks to repeat after a change to the runner, in one-H200 device calls (each block fits 10 minutes). From
 # the repository root (or a `git archive HEAD` copy of it), with hydra/omegaconf/flashinfer wheels installed and
 # RESEARCH_LM_COMMIT / BENCH_COMMIT set to the commit.
-#   bash experiments/gpu_pending.sh tests | match | t1 | b1 | host
+#   bash experiments/gpu_pending.sh tests | trees | match | t1 | b1 | host
 # Session 4 (2026-11-25) ran both at 6e6bc1b / 89ff565, and the tables bench_decode, bench_throughput,
 # bench_decode_8b and attention_ablation_h200 (parts over two calls, --print-commands / --from-sweep), and the
 # attention_ablation preset at GPU size (113 s). Still never run on a GPU: the fa2 variant of mla_flashinfer.
@@ -71,7 +71,9 @@
 # (tests/models/test_tensor_parallel.py, tests/moe/test_engine_ep.py: passed once the EP test compared like with like:
 # synchronous steps on both sides), trained the reference beside them, then ab_issue28_ablation_h200,
 # spec_ablation_k5_h200 and both bench_tensor_parallel tables (PERFORMANCE.md, twenty-third pass). Not run since:
-# the eagle3 batch-8 ablation cell with repeats (see that pass).
+# the eagle3 batch-8 ablation cell with repeats (see that pass). CPU-tested only since (run `tests` and `trees` first next
+# session): token trees (issue 29: tree masks in the triton kernel, verify graphs reading them, EAGLE / Medusa tree
+# drafting), the adaptive speculation policy, MTP heads (issue 36), RankLostError's one line.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
@@ -104,6 +106,16 @@ case ${1:-tests} in
       grep -hE '"(mean_acceptance_length|speedup|tpot_ratio|draft_ms_per_step_median|verify_ms_per_step_median)"' \
         multirun/b1_$1/*/results.json
     done ;;
+  trees)  # issue 29: the tree GPU tests, then spec_tree (chain vs tree16) on the reference target at batch 1 / 8 / 32,
+          # greedy and T = 1, with the adaptive policy off and on (trains the reference first when missing)
+    python -m pytest -m gpu tests/spec_decode/test_token_tree.py tests/attention_zoo/test_tree_attention.py \
+      -p no:cacheprovider -rfE -q
+    [ -d outputs/reference/target ] || SIDE_BY_SIDE=1 bash experiments/train_reference.sh outputs/reference
+    python -m research_lm -m experiment=spec_tree device=cuda logger=jsonl model=hf \
+      model.name=outputs/reference/target spec.model=outputs/reference/eagle3 spec_tree=chain,tree16 \
+      runner.max_num_seqs=1,8,32 workload.temperature=0.0,1.0 +spec.speculation_policy=always,adaptive \
+      runner.num_gpu_blocks=4096 hydra.sweep.dir=multirun/trees
+    python -m research_lm.harness.report multirun/trees ;;
   host)  # host time per speculative step, phase by phase (experiments/bench_spec_host.py; PERFORMANCE.md, eighth
           # pass): the built-in pair, eagle3 and ngram at batch 1 and 8, ~2 min; the table goes to experiments/results
     for b in 1 8; do

@@ -14,9 +14,11 @@ Invariants:
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from research_lm import LLM, SamplingParams
 from research_lm.worker.cuda_graphs import eager_capture
@@ -182,3 +184,27 @@ def test_tree_verify_graphs_match_eager_on_cpu(tiny_checkpoint, tmp_path):
     graphs.replay = lambda key, common: keys.append(key) or replay(key, common)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     assert (4, 10) in keys  # three requests' verify steps, padded to four
+
+
+@pytest.mark.gpu
+def test_trees_on_cuda_keep_greedy_outputs():
+    """On CUDA (triton, verify graphs reading the masks in place, launch-ahead where it applies): the built-in pair's
+    EAGLE-3 head drafting spec_tree's 16-node tree gives plain greedy's tokens, and accepts more per verification
+    than the depth-4 chain."""
+    import research_lm
+
+    assets = Path(research_lm.__file__).parent / "assets"
+    target, head = str(assets / "tiny-llama"), str(assets / "tiny-llama-eagle3")
+    tree16 = yaml.safe_load((Path(__file__).parents[2] / "conf/spec_tree/tree16.yaml").read_text())
+    prompts = [f.read_text(errors="ignore")[:600] for f in sorted(Path(random.__file__).parent.glob("*.py"))[:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    knobs = dict(dtype="float32", device="cuda", max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in LLM(target, **knobs).generate(prompts, params, use_tqdm=False)]
+    taus = {}
+    for name, spec in (("chain", {"num_speculative_tokens": 4}), ("tree", tree16)):
+        llm = LLM(target, **knobs, speculative_config={"method": "eagle3", "model": head, **spec})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, name
+        steps = sum(o.metrics.num_draft_tokens for o in outs) / llm.engine.runner.proposer.num_speculative_tokens
+        taus[name] = 1 + sum(o.metrics.num_accepted_tokens for o in outs) / steps
+    assert taus["tree"] > taus["chain"], taus
