@@ -122,7 +122,8 @@ class LLMEngine:
             separate_prefill_tokens=self._separate_prefill_tokens(config.separate_prefills),
             disable_by_batch_size=(config.speculative_config or {}).get("disable_by_batch_size"),
         )
-        self.spec_policy = build_policy((config.speculative_config or {}).get("speculation_policy"))
+        self.spec_policy = build_policy((config.speculative_config or {}).get("speculation_policy"),
+                                        distributed=self.ranks is not None)
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device)
         self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step
         self.metrics = EngineMetrics()

@@ -69,7 +69,11 @@ class AdaptivePolicy(SpeculationPolicy):
 POLICIES = {"always": SpeculationPolicy, "adaptive": AdaptivePolicy}
 
 
-def build_policy(name: str | None) -> SpeculationPolicy:
+def build_policy(name: str | None, distributed: bool = False) -> SpeculationPolicy:
+    """distributed: several ranks run the same schedule, which the adaptive policy's per-rank timings could split."""
     if (name or "always") not in POLICIES:
         raise ValueError(f"unknown speculation_policy {name!r}; choose one of {sorted(POLICIES)}")
+    if name == "adaptive" and distributed:
+        raise ValueError("speculation_policy='adaptive' decides from each rank's own step times, so ranks could "
+                         "decide apart; with several ranks (tensor or expert parallelism) use 'always'")
     return POLICIES[name or "always"]()

@@ -76,3 +76,11 @@ def test_unknown_policy_lists_the_choices(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"unknown speculation_policy 'smart'; choose one of \['adaptive', 'always'\]"):
         LLM(str(tiny_checkpoint("llama")), device="cpu",
             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "speculation_policy": "smart"})
+
+
+def test_adaptive_policy_is_refused_across_ranks():
+    from research_lm.engine.spec_policy import build_policy
+
+    with pytest.raises(ValueError, match="ranks could decide apart; with several ranks"):
+        build_policy("adaptive", distributed=True)
+    assert isinstance(build_policy("adaptive"), AdaptivePolicy) and not isinstance(build_policy(None), AdaptivePolicy)
