@@ -35,6 +35,7 @@ from spec_decode.heads import draft_metadata
 HeadForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 HeadLogits = Callable[[torch.Tensor], torch.Tensor]
 
+
 @dataclass(frozen=True)
 class _Level:
     """The nodes of one depth and where their tokens come from."""
@@ -109,12 +110,7 @@ class EagleTree:
         roots = torch.tensor(root_positions, dtype=torch.int64, device=device)
         positions = (roots[:, None] + self.nodes.depths[nodes]).view(-1)
         bits = (self.nodes.bits[nodes] >> 1).repeat(n)  # the root, bit 0, is in the cached context
-        metadata = self._block_metadata(step, rows, [p + 1 for p in root_positions], num_nodes, bits)
+        # KV at slots root + 1, + 2, ...; each block masked to its ancestors
+        _, metadata = draft_metadata(step, rows, [p + 1 for p in root_positions], [num_nodes] * n, self.layers, bits)
         out, nxt = self.forward(tokens[:, : num_nodes].reshape(-1), positions, metadata, features.flatten(0, 1))
         return out.view(n, num_nodes, -1), nxt.view(n, num_nodes, -1)
-
-    def _block_metadata(self, step: CommonAttentionMetadata, rows: list[int], starts: list[int], num_nodes: int,
-                        tree_bits: torch.Tensor) -> dict[str, Any]:
-        """The drafter's attention metadata for blocks of num_nodes query tokens at KV slots starts[i] + 0, 1, ...:
-        `draft_metadata`'s, with tree_bits [n * num_nodes] int64 masking each block to its ancestors."""
-        return draft_metadata(step, rows, starts, [num_nodes] * len(rows), self.layers, tree_bits)[1]

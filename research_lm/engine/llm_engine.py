@@ -309,7 +309,8 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         self.metrics.record_step(collecting.sched, out, self.scheduler.stats(), seconds)
         scheduled = collecting.sched.scheduled
-        if scheduled and all(s.num_new_tokens == s.num_spec_tokens + 1 for s in scheduled):  # decoding alone
+        if self.spec_policy.measures and scheduled and all(s.num_new_tokens == s.num_spec_tokens + 1
+                                                           for s in scheduled):  # decoding alone
             self.spec_policy.record(len(scheduled), collecting.verifies, sum(map(len, out.sampled_token_ids)), seconds)
         return finished
 

@@ -29,6 +29,8 @@ class SpeculationPolicy:
     """Every step drafts (`"speculation_policy": "always"`, the default), except where running plus waiting requests
     outnumber `disable_by_batch_size` (then the scheduler skips verification, as vLLM does)."""
 
+    measures = False  # whether `record` reads anything (the engine skips its per-step bookkeeping otherwise)
+
     def drafts(self, batch_size: int) -> bool:
         return True
 
@@ -37,6 +39,8 @@ class SpeculationPolicy:
 
 
 class AdaptivePolicy(SpeculationPolicy):
+    measures = True
+
     def __init__(self, warmup: int = 4, explore_every: int = 32, smoothing: float = 0.2):
         self.warmup, self.explore_every, self.smoothing = warmup, explore_every, smoothing
         self.buckets: dict[int, _Rates] = {}

@@ -83,12 +83,13 @@ def accept_tree_greedily(
     num_real: torch.Tensor | Sequence[int] | None = None,  # [n]: nodes past num_real[i] are never accepted
     *,
     max_depth: int | None = None,  # >= the tree's depth, the outputs' D; None: read from parents (a host sync)
+    depths: torch.Tensor | None = None,  # [N + 1] or [n, N + 1]: each node's depth, where known (a static tree)
 ) -> TreeOutputs:  # emitted [n, D + 1] int64, num_emitted [n] int32, path [n, D + 1] int64
     """Accept the nodes whose token is their parent's argmax (and whose parent is accepted); emit the path to the
     deepest accepted node (ties: the lowest index), then that node's argmax."""
     n, width = node_tokens.shape
     parents = parents.expand(n, width)
-    depths = tree_depths(parents)
+    depths = tree_depths(parents) if depths is None else depths.expand(n, width)
     depth = _max_depth(depths, max_depth)
     return _greedy(node_tokens, parents, depths, target, _real_nodes(num_real, n, width, node_tokens.device), depth)
 
@@ -103,6 +104,7 @@ def tree_rejection_sample(
     num_real: torch.Tensor | Sequence[int] | None = None,  # [n]: nodes past num_real[i] are never accepted
     *,
     max_depth: int | None = None,  # >= the tree's depth, the outputs' D; None: read from parents (a host sync)
+    depths: torch.Tensor | None = None,  # [N + 1] or [n, N + 1]: each node's depth, where known (a static tree)
 ) -> TreeOutputs:  # emitted [n, D + 1] int64, num_emitted [n] int32, path [n, D + 1] int64
     """Walk each request's tree by the multi-draft rule of the module docstring; greedy rows take the argmax rule.
 
@@ -110,7 +112,7 @@ def tree_rejection_sample(
     n, width, _ = target_probs.shape
     device = target_probs.device
     parents = parents.expand(n, width)
-    depths = tree_depths(parents)
+    depths = tree_depths(parents) if depths is None else depths.expand(n, width)
     depth = _max_depth(depths, max_depth)
     real = _real_nodes(num_real, n, width, device)
     host_known = not isinstance(greedy, torch.Tensor)
