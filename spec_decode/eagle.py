@@ -56,9 +56,9 @@ from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
 from research_lm.worker.cuda_graphs import Capture, GraphPool, uncapturable_reason
 from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, TokenTable, register_proposer
-from research_lm.worker.token_tree import TokenTree
+from research_lm.worker.token_tree import DynamicTree, TokenTree, TreeShape
 from spec_decode.draft_graphs import DraftGraphs
-from spec_decode.eagle_tree import EagleTree
+from spec_decode.eagle_tree import DynamicEagleTree, EagleTree
 from spec_decode.heads import (
     cache_layers_of,
     check_names,
@@ -258,14 +258,14 @@ class EagleProposer(Proposer):
     overwriting whatever drafting wrote there last step; so after partial acceptance, preemption
     (the target restarts at c = 0 or a prefix hit) or a prefill chunk, the head's KV below the
     target's computed tokens is exactly what the target's features give. Then up to k - 1 chained
-    single-token steps at positions n, n+1, ... (the scheduler's lookahead slots); or, with a static
-    token tree, its levels (spec_decode/eagle_tree.py: eager, at collect).
+    single-token steps at positions n, n+1, ... (the scheduler's lookahead slots); or, with a token tree
+    (static, or EAGLE-2's dynamic one), its levels (spec_decode/eagle_tree.py: eager, at collect).
     """
 
     def __init__(
         self, head: EagleHead | Eagle3Head, target: DraftTarget, *, num_speculative_tokens: int,
         vocab_size: int, max_model_len: int, aux_hidden_state_layers: tuple[int, ...] = (),
-        token_tree: TokenTree | None = None,
+        token_tree: TreeShape | None = None,
     ):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -282,10 +282,14 @@ class EagleProposer(Proposer):
         self.cache_layers = cache_layers_of(head)
         self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
         self.token_tree = token_tree
-        self.tree_drafter: EagleTree | None = None
-        if token_tree is not None:
+        self.tree_drafter: EagleTree | DynamicEagleTree | None = None
+        if isinstance(token_tree, TokenTree):
             self.tree_drafter = EagleTree(token_tree, self._forward, self._logits, self.cache_layers, vocab_size,
                                           head.fc.weight.device)
+        elif token_tree is not None:
+            self.tree_drafter = DynamicEagleTree(token_tree, self._forward, self._logits, self.cache_layers,
+                                                 vocab_size)
+        if self.tree_drafter is not None:
             self.num_lookahead_tokens = self.tree_drafter.num_lookahead_tokens
 
     def _embedding(self) -> nn.Module:
@@ -383,8 +387,8 @@ class EagleProposer(Proposer):
 
     def _propose_tree(self, outcome: StepOutcome) -> Drafts:
         """The entry forward as for a chain, then the tree's levels from each drafting request's last row. Every
-        request drafts the same deterministic top-k tree, whatever it samples; its chain budget (as many drafts as a
-        chain of the tree's depth) says which nodes are real."""
+        request drafts a deterministic top-k tree, whatever it samples; its chain budget (as many drafts as a chain of
+        the tree's depth) says which nodes are real."""
         drafting = start_drafting(outcome.requests, outcome.emitted, self.token_tree.depth, self.max_model_len)
         span = self._entry_span(outcome)
         out, hidden = self._entry(outcome, *span)
@@ -430,11 +434,12 @@ class EagleProposer(Proposer):
 # Loading
 
 
-def _speculation(speculative_config: dict[str, Any], method: str) -> tuple[int, TokenTree | None]:
-    """(num_speculative_tokens, the static token tree or None). With a tree, num_speculative_tokens is its node
-    count; the config may leave it out or give the node count (vLLM's meaning) or the depth."""
+def _speculation(speculative_config: dict[str, Any], method: str) -> tuple[int, TreeShape | None]:
+    """(num_speculative_tokens, the token tree or None). A static tree (speculative_token_tree): the config may leave
+    num_speculative_tokens out or give the node count (vLLM's meaning) or the depth. A dynamic one (topk,
+    num_draft_tokens): num_speculative_tokens is its depth. The number returned is the tree's node count."""
     k = speculative_config.get("num_speculative_tokens")
-    if (tree := TokenTree.of_config(speculative_config)) is not None:
+    if (tree := DynamicTree.of_config(speculative_config) or TokenTree.of_config(speculative_config)) is not None:
         return tree.num_drafts, tree
     if k is None:
         raise ValueError(f"speculative_config for {method!r} needs num_speculative_tokens")
@@ -471,7 +476,7 @@ def _check_common(what: str, cfg: SimpleNamespace, tensors: dict[str, torch.Tens
         )
 
 
-@register_proposer("eagle", speculative_token_tree="tree?")
+@register_proposer("eagle", speculative_token_tree="tree?", topk="posint?", num_draft_tokens="posint?")
 def build_eagle_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> EagleProposer:
     path = head_dir(speculative_config, "eagle")
     what = f"EAGLE head {path}"
@@ -541,7 +546,8 @@ def _draft_vocab_map(
     return mapped
 
 
-@register_proposer("eagle3", eagle_aux_hidden_state_layer_ids="ints?", speculative_token_tree="tree?")
+@register_proposer("eagle3", eagle_aux_hidden_state_layer_ids="ints?", speculative_token_tree="tree?", topk="posint?",
+                   num_draft_tokens="posint?")
 def build_eagle3_proposer(speculative_config: dict[str, Any], target: DraftTarget) -> EagleProposer:
     path = head_dir(speculative_config, "eagle3")
     what = f"EAGLE-3 head {path}"

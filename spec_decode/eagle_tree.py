@@ -15,6 +15,17 @@ query block per request:
 The outputs at the depth-(d - 1) nodes give the depth-d children. Rerunning the shallower nodes at each depth
 rewrites their KV from the same inputs, so every entry a node reads is its own ancestors', and no cached key needs a
 mask. A chain written as a tree runs the chain's rows: node j at position and slot root + j, causally masked.
+
+A dynamic tree (EAGLE-2, `DynamicEagleTree`; SGLang's `topk`, `num_draft_tokens`) grows each request's own tree by
+cumulative draft probability (the product of the head's softmax along the path):
+- depth 1: the root's top-k tokens, the first frontier;
+- depth d >= 2: the head runs over the frontiers of depths 1..d-1 as one block (the static tree's rule: positions root
+  + depth, slots root + 1 + block index, ancestor masks), the top-k children of each depth-(d - 1) frontier node are
+  candidates, and the k best of those k^2 become the next frontier;
+- the N best candidates of every depth (N = num_draft_tokens - 1) are the drafts, breadth-first. A child scores no
+  more than its parent and ranks after it on a tie (a stable sort over candidates laid out depth-major), so the N
+  best always include every kept node's parent: they form a tree. Candidates deeper than a request's chain budget are
+  ranked last, so its real nodes are a prefix.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.worker.spec import Drafts
-from research_lm.worker.token_tree import TokenTree
+from research_lm.worker.token_tree import DynamicTree, TokenTree
 from spec_decode.heads import draft_metadata
 
 # The head's forward over (ids [T], positions [T], metadata, features [T, H]) -> (output, next feature), each [T, H];
@@ -68,10 +79,11 @@ class EagleTree:
     def __init__(self, tree: TokenTree, forward: HeadForward, logits: HeadLogits, layers: Sequence[CacheLayer],
                  vocab_size: int, device: torch.device):
         self.tree = tree
-        self.nodes = tree.on(device)
+        self.parents, self.depths, self.bits = (torch.tensor(t, dtype=torch.int64, device=device)
+                                                for t in (tree.parents, tree.depths, tree.bits))  # [N + 1] each
         self.forward, self.logits, self.layers, self.vocab_size = forward, logits, layers, vocab_size
         self.levels = _levels(tree, device)
-        self.real_nodes = self.nodes.within.tolist()  # [depth + 1]: real nodes under a chain budget of b drafts
+        self.real_nodes = tree.real_nodes  # [depth + 1]: real nodes under a chain budget of b drafts
         self.num_lookahead_tokens = self.real_nodes[tree.depth - 1]  # the nodes of depth < D: the largest block
 
     def draft(
@@ -89,8 +101,12 @@ class EagleTree:
         out, carry = root_out[:, None], root_carry[:, None]  # [n, 1 + M, H]: the root's, then nodes 1..M
         for depth, level in enumerate(self.levels, start=1):
             if depth > 1:
-                block_out, block_carry = self._run_block(step, rows, root_positions, tokens, carry,
-                                                         self.real_nodes[depth - 1])
+                num_nodes = self.real_nodes[depth - 1]
+                nodes = slice(1, num_nodes + 1)
+                block_out, block_carry = run_block(
+                    self.forward, self.layers, step, rows, root_positions, tokens[:, :num_nodes],
+                    carry[:, self.parents[nodes]], self.depths[nodes].expand(n, -1),
+                    (self.bits[nodes] >> 1).expand(n, -1))  # the root, bit 0, is in the cached context
                 out = torch.cat([root_out[:, None], block_out], dim=1)
                 carry = torch.cat([root_carry[:, None], block_carry], dim=1)
             parents = out[:, level.parents]  # [n, P, H]
@@ -99,18 +115,93 @@ class EagleTree:
             tokens[:, level.columns] = top[:, level.parent_of, level.ranks]
         return Drafts(rows, tokens, [self.real_nodes[b] for b in budgets])
 
-    def _run_block(self, step: CommonAttentionMetadata, rows: list[int], root_positions: Sequence[int],
-                   tokens: torch.Tensor, carry: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over nodes 1..num_nodes of every request (tokens [n, N] int64 holds theirs); carry [n, 1 + M', H]
-        their parents' features, the root's first (M' < num_nodes: the previous block's). Returns the nodes' (output,
-        next feature), each [n, num_nodes, H]."""
-        n, device = len(rows), tokens.device
-        nodes = slice(1, num_nodes + 1)
-        features = carry[:, self.nodes.parents[nodes]]  # [n, num_nodes, H]
-        roots = torch.tensor(root_positions, dtype=torch.int64, device=device)
-        positions = (roots[:, None] + self.nodes.depths[nodes]).view(-1)
-        bits = (self.nodes.bits[nodes] >> 1).repeat(n)  # the root, bit 0, is in the cached context
-        # KV at slots root + 1, + 2, ...; each block masked to its ancestors
-        _, metadata = draft_metadata(step, rows, [p + 1 for p in root_positions], [num_nodes] * n, self.layers, bits)
-        out, nxt = self.forward(tokens[:, : num_nodes].reshape(-1), positions, metadata, features.flatten(0, 1))
-        return out.view(n, num_nodes, -1), nxt.view(n, num_nodes, -1)
+
+class DynamicEagleTree:
+    """Drafts each request's own EAGLE-2 tree with an EAGLE / EAGLE-3 head (module docstring)."""
+
+    def __init__(self, tree: DynamicTree, forward: HeadForward, logits: HeadLogits, layers: Sequence[CacheLayer],
+                 vocab_size: int):
+        self.tree = tree
+        self.forward, self.logits, self.layers, self.vocab_size = forward, logits, layers, vocab_size
+        self.num_lookahead_tokens = tree.block  # the last depth's block: topk nodes per level above it
+
+    def draft(self, step: CommonAttentionMetadata, rows: list[int], budgets: Sequence[int],
+              root_positions: Sequence[int], root_out: torch.Tensor, root_carry: torch.Tensor) -> Drafts:
+        """Arguments as `EagleTree.draft`'s. Each request's N nodes as its drafts [n, N] int64, its real node count
+        and its tree (`Drafts.tree_parents` [n, N + 1])."""
+        k, n, device = self.tree.topk, len(rows), root_out.device
+        scores, tokens = self._top(root_out[:, None])  # [n, 1, k]: the root's children, the first frontier
+        scores, tokens = scores.view(n, k), tokens.view(n, k)
+        cand_scores, cand_tokens = [scores], [tokens]
+        cand_parents = [torch.full((n, k), -1, dtype=torch.int64, device=device)]  # candidate index, -1 the root
+        frontier = torch.arange(k, device=device).expand(n, k)  # candidate index of each frontier node
+        block_tokens, block_parents = tokens, torch.full((n, k), -1, dtype=torch.int64, device=device)
+        block_depths = torch.ones(n, k, dtype=torch.int64, device=device)
+        carry = root_carry[:, None]  # [n, 1 + M, H]: the root's, then the block's nodes
+        for depth in range(2, self.tree.depth + 1):
+            level = (depth - 2) * k  # the block index of the depth-(d - 1) frontier, the block's last k nodes
+            features = carry[torch.arange(n, device=device)[:, None], block_parents + 1]  # [n, M, H]
+            out, block_carry = run_block(self.forward, self.layers, step, rows, root_positions, block_tokens,
+                                         features, block_depths, _ancestor_bits(block_parents))
+            carry = torch.cat([root_carry[:, None], block_carry], dim=1)
+            probs, child_tokens = self._top(out[:, level:])  # [n, k, k] each: row i, the children of frontier i
+            child_scores = (scores[:, :, None] * probs).view(n, k * k)
+            cand_scores.append(child_scores)
+            cand_tokens.append(child_tokens.view(n, k * k))
+            cand_parents.append(frontier.repeat_interleave(k, dim=1))
+            best = child_scores.sort(dim=1, descending=True, stable=True).indices[:, :k]  # the next frontier
+            base = k + (depth - 2) * k * k  # the first candidate index of this depth
+            scores, tokens, frontier = child_scores.gather(1, best), cand_tokens[-1].gather(1, best), base + best
+            block_tokens = torch.cat([block_tokens, tokens], dim=1)
+            block_parents = torch.cat([block_parents, level + best // k], dim=1)
+            block_depths = torch.cat([block_depths, torch.full_like(best, depth)], dim=1)
+        return self._select(torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1),
+                            rows, budgets)
+
+    def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, m, H] -> [n, m, k] probs, tokens
+        """The head's top-k tokens and their draft probabilities (softmax over the target vocabulary) at each node."""
+        n, m, _ = out.shape
+        logits = self.logits(out.flatten(0, 1))[:, : self.vocab_size].float()
+        top = logits.softmax(dim=-1).topk(self.tree.topk, dim=-1)
+        return top.values.view(n, m, -1), top.indices.view(n, m, -1)
+
+    def _select(self, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, rows: list[int],
+                budgets: Sequence[int]) -> Drafts:
+        """The N best candidates (scores, tokens, parents [n, C], laid out depth-major) as breadth-first trees."""
+        n, num_candidates = scores.shape
+        k, device = self.tree.topk, scores.device
+        depth_of = torch.tensor([1] * k + [d for d in range(2, self.tree.depth + 1) for _ in range(k * k)],
+                                device=device)  # [C]
+        within = depth_of <= torch.tensor(budgets, device=device)[:, None]  # [n, C]
+        ranked = torch.where(within, scores, -1.0).sort(dim=1, descending=True, stable=True).indices
+        chosen = ranked[:, : self.tree.num_drafts].sort(dim=1).values  # [n, N]: parents before children
+        node_of = torch.zeros(n, num_candidates + 1, dtype=torch.int64, device=device)  # candidate + 1 -> node
+        node_of.scatter_(1, chosen + 1, torch.arange(1, self.tree.num_drafts + 1, device=device).expand(n, -1))
+        node_parents = node_of.gather(1, parents.gather(1, chosen) + 1)  # the root (-1) and unkept ones: 0
+        tree_parents = torch.cat([torch.full((n, 1), -1, dtype=torch.int64, device=device), node_parents], dim=1)
+        return Drafts(rows, tokens.gather(1, chosen), [self.tree.real_nodes(b) for b in budgets],
+                      tree_parents=tree_parents)
+
+
+def _ancestor_bits(parents: torch.Tensor) -> torch.Tensor:  # [n, M] int64 block indices (-1: the root) -> [n, M]
+    """Each block node's mask over the block: bit i = it sees block node i (itself and its ancestors)."""
+    bits = torch.zeros_like(parents)
+    for j in range(parents.shape[1]):
+        parent = parents[:, j : j + 1]
+        above = bits.gather(1, parent.clamp(min=0)).squeeze(1)
+        bits[:, j] = torch.where(parent.squeeze(1) >= 0, above, 0) | 1 << j
+    return bits
+
+
+def run_block(forward: HeadForward, layers: Sequence[CacheLayer], step: CommonAttentionMetadata, rows: list[int],
+              root_positions: Sequence[int], tokens: torch.Tensor, features: torch.Tensor, depths: torch.Tensor,
+              bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head over a block of M tree nodes per request, tokens [n, M] int64 with their parents' features [n, M, H],
+    depths [n, M] and masks over the block [n, M] int64 (bit i: block node i; the root sits before the block, in the
+    cached context). KV at slots root + 1 .. root + M. Returns the nodes' (output, next feature), each [n, M, H]."""
+    n, m = tokens.shape
+    roots = torch.tensor(root_positions, dtype=torch.int64, device=tokens.device)
+    positions = (roots[:, None] + depths).view(-1)
+    _, metadata = draft_metadata(step, rows, [p + 1 for p in root_positions], [m] * n, layers, bits.reshape(-1))
+    out, nxt = forward(tokens.reshape(-1), positions, metadata, features.flatten(0, 1))
+    return out.view(n, m, -1), nxt.view(n, m, -1)

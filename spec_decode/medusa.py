@@ -122,8 +122,13 @@ class MedusaProposer(Proposer):
         self.depth = depth
         self.num_speculative_tokens = token_tree.num_drafts if token_tree is not None else depth
         self.token_tree = token_tree
-        # a tree's node j holds the rank-r token of head depth(j) - 1 (Medusa's trees): those tables on the device
-        self._nodes = token_tree.on(heads[0][-1].weight.device) if token_tree is not None else None
+        # a tree's node j holds the rank-r token of head depth(j) - 1 (Medusa's trees): those tables on the device,
+        # and the real nodes under each chain budget b (depth <= b)
+        self._nodes = None
+        if token_tree is not None:
+            device = heads[0][-1].weight.device
+            self._nodes = tuple(torch.tensor(t, dtype=torch.int64, device=device)
+                                for t in (token_tree.depths[1:], token_tree.ranks[1:], token_tree.real_nodes))
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
@@ -144,9 +149,10 @@ class MedusaProposer(Proposer):
         budgets = device_budgets(outcome, self.depth, self.max_model_len)
         if self._nodes is None:
             return Drafts(list(range(len(reqs))), logits.argmax(dim=-1), budgets)
+        depths, ranks, real_nodes = self._nodes
         top = logits.topk(max(self.token_tree.ranks) + 1, dim=-1).indices  # [n, depth, ranks]
-        tokens = top[:, self._nodes.depths[1:] - 1, self._nodes.ranks[1:]]  # [n, N]
-        return Drafts(list(range(len(reqs))), tokens, self._nodes.num_real(budgets))
+        tokens = top[:, depths - 1, ranks]  # [n, N]
+        return Drafts(list(range(len(reqs))), tokens, real_nodes[budgets.long().clamp(0, self.depth)].to(torch.int32))
 
     def propose(self, outcome: StepOutcome) -> Drafts:
         if self.token_tree is not None:  # a tree's drafts are top tokens, whatever the request samples

@@ -35,6 +35,7 @@ from research_lm.worker.cuda_graphs import (
 )
 from research_lm.worker.pending_step import PendingStep
 from research_lm.worker.request_state import RequestState
+from research_lm.worker.rng import to_device
 from research_lm.worker.sampler import Sampler, plain_greedy
 from research_lm.worker.spec import Drafts, Proposer, StepOutcome
 from research_lm.worker.step_inputs import prepare_step_inputs
@@ -86,7 +87,8 @@ class ModelRunner:
             buf.positions.gpu, buf.slot_mapping.gpu, buf.seq_lens.gpu, buf.query_start_loc.gpu, buf.request_rows.gpu,
             block_size=block_size)
         tree = proposer.token_tree if proposer is not None else None  # a tree's two hooks (worker/token_tree.py)
-        self.tree = TreeSteps(tree, target_layers, self.backends, max_num_batched_tokens, device) if tree else None
+        self.tree = (TreeSteps(tree, target_layers, self.backends, max_num_batched_tokens, max_num_seqs, device)
+                     if tree else None)
         self.sampler = Sampler()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, vocab] q of its drafts
         self._host = HostIds(max_num_seqs * (k + 3), device)
@@ -242,6 +244,9 @@ class ModelRunner:
     def _write_drafts(self, outcome: StepOutcome, drafts: Drafts) -> dict[str, int]:
         """The drafts into the token table; request id -> the draft slots of its next step."""
         self.draft_probs.update(drafts.probs)
+        if drafts.tree_parents is not None:  # each request's own token tree (a dynamic one)
+            rows = outcome.common.request_rows[to_device(drafts.index, torch.int64, drafts.tree_parents.device)]
+            self.tree.tree.set_rows(rows.long(), drafts.tree_parents)
         slots = self.state.write_drafts(outcome.common.request_rows, drafts)
         return {outcome.requests[i].request_id: c for i, c in zip(drafts.index, slots, strict=True)}
 

@@ -24,7 +24,7 @@ from attention_zoo.registries import Registry
 from research_lm.api.checks import checked
 from research_lm.engine.request import Request
 from research_lm.worker.rng import to_device
-from research_lm.worker.token_tree import TokenTree
+from research_lm.worker.token_tree import TreeShape
 
 
 @dataclass
@@ -72,6 +72,8 @@ class Drafts:
     num: list[int] | torch.Tensor | None = None  # real drafts per drafted request (host list, or int [len(index)] on
     # the device: an n-gram lookup on the device knows its matches only there); None: all k
     probs: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [k_i, vocab] q, where sampled
+    tree_parents: torch.Tensor | None = None  # [len(index), N + 1] int64: each request's own token tree (a dynamic
+    # one, token_tree.DynamicTree), node j's parent (column 0: -1); None: the proposer's static tree, or a chain
     in_table: bool = False  # the proposer wrote them (and `num`) into `TokenTable` itself, in order: every request
     # of the step drafted (a graph that writes them where it drafts them)
 
@@ -119,7 +121,8 @@ class Proposer(ABC):
     - `num_lookahead_tokens`: KV slots its drafter writes past the verified tokens;
     - `needs_last_hit_block_recomputed`: its cached rows depend on the token after them (EAGLE);
     - `cache_layers`: its drafter's `CacheLayer`s, allocated with the target's and sharing its block tables;
-    - `token_tree`: the static tree its drafts fill (research_lm/worker/token_tree.py), or None for a chain. Then
+    - `token_tree`: the tree its drafts fill (research_lm/worker/token_tree.py): a static `TokenTree`, a
+      `DynamicTree` (each request's shape comes with its drafts, `Drafts.tree_parents`), or None for a chain. Then
       `num_speculative_tokens` is its node count N: draft j of a request is node j + 1, and the runner verifies the
       nodes as a tree.
     """
@@ -129,7 +132,7 @@ class Proposer(ABC):
     num_lookahead_tokens: int = 0
     needs_last_hit_block_recomputed: bool = False
     cache_layers: Sequence[nn.Module] = ()
-    token_tree: TokenTree | None = None
+    token_tree: TreeShape | None = None
 
     def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
         """At launch, behind the verification: the drafts of the step's requests from device values alone

@@ -12,7 +12,7 @@ from research_lm.worker.rng import to_device
 from research_lm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, TokenHistory, plain_greedy
 from research_lm.worker.step_inputs import StepInputs
 from research_lm.worker.token_tree import DeviceTree
-from research_lm.worker.verification import verify_drafts
+from research_lm.worker.verification import RequestTrees, verify_drafts
 
 
 class StepTokens(NamedTuple):
@@ -57,7 +57,8 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
     table_rows = inputs.rows[:n] if index is None else inputs.rows[:n][index]
     emitted, num_emitted, num_real, path = verify_drafts(
         scheduled, sampling, inputs.common.query_start_loc_cpu.numpy(), logits, greedy_ids, input_ids,
-        state.num_drafts[table_rows], batch, draft_probs, tree)
+        state.num_drafts[table_rows], batch, draft_probs,
+        tree and RequestTrees(*tree.of_rows(table_rows.long()), max_depth=tree.depth))
     if index is not None:
         emitted = torch.full((n, emitted.shape[1]), -1, dtype=torch.int64, device=device).index_copy_(0, index, emitted)
         num_emitted = torch.zeros(n, dtype=torch.int32, device=device).index_copy_(0, index, num_emitted)

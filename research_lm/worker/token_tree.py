@@ -9,6 +9,10 @@ A verify step runs a request's N + 1 nodes as its query tokens, in that order, i
 - after verification the accepted path's KV and hidden rows move to where plain decoding would have put them
   (depth d to slot d), so everything after the verification sees a chain.
 A chain of k drafts is the tree `[(0,), (0, 0), ...]`: node j at depth j, every bit below it set.
+
+A dynamic tree (EAGLE-2; SGLang's `topk` and `num_draft_tokens`) has the same layout, but each request drafts its own
+shape each step: the runner keeps every request row's tables on the device (`DeviceTree`), a static tree's in all rows,
+a dynamic one's written with each request's drafts (`Drafts.tree_parents`).
 """
 
 from __future__ import annotations
@@ -91,6 +95,10 @@ class TokenTree:
     def depth(self) -> int:  # the longest path: what one verify step can emit at most, less the bonus token
         return len(self.paths[-1])
 
+    @cached_property
+    def real_nodes(self) -> tuple[int, ...]:  # [depth + 1]: the nodes of depth <= b, a prefix of 1..N (breadth-first)
+        return tuple(sum(d <= b for d in self.depths[1:]) for b in range(self.depth + 1))
+
     @property
     def is_chain(self) -> bool:
         return self == TokenTree.chain(self.num_drafts)
@@ -115,27 +123,96 @@ class TokenTree:
             out.append(out[parent] | 1 << j)
         return tuple(out)
 
-    def on(self, device: torch.device) -> DeviceTree:
-        return DeviceTree(self, device)
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree, SGLang's meaning: `depth` levels (num_speculative_tokens) of the `topk` best children of
+    the `topk` best nodes by cumulative draft probability, of which the `num_drafts` best (num_draft_tokens - 1: SGLang
+    counts the root) are verified. Each request's shape is its own, drafted each step (spec_decode/eagle_tree.py)."""
+
+    topk: int
+    depth: int
+    num_drafts: int  # N
+
+    @classmethod
+    def of_config(cls, speculative_config: dict) -> DynamicTree | None:
+        """The config's `topk` / `num_draft_tokens` tree, or None; errors name the field. topk = 1 is a chain (None
+        here: the caller drafts num_speculative_tokens as a chain)."""
+        topk, total = speculative_config.get("topk"), speculative_config.get("num_draft_tokens")
+        if topk is None and total is None:
+            return None
+        if topk is None or total is None:
+            raise ValueError(f"a dynamic token tree needs both topk and num_draft_tokens (got topk={topk}, "
+                             f"num_draft_tokens={total})")
+        if speculative_config.get("speculative_token_tree") is not None:
+            raise ValueError("give either speculative_token_tree (a static tree) or topk/num_draft_tokens (a dynamic "
+                             "one), not both")
+        depth = speculative_config.get("num_speculative_tokens")
+        if depth is None:
+            raise ValueError("a dynamic token tree needs num_speculative_tokens: the tree's depth")
+        if topk == 1:
+            if total != depth + 1:
+                raise ValueError(f"topk=1 drafts a chain of num_speculative_tokens={depth}: num_draft_tokens must be "
+                                 f"{depth + 1} (the root and its drafts), got {total}")
+            return None
+        tree = cls(topk, depth, total - 1)
+        candidates = topk + (depth - 1) * topk * topk
+        if not 2 <= total <= min(MAX_NODES, candidates) + 1:
+            raise ValueError(f"num_draft_tokens={total} must be in [2, {min(MAX_NODES, candidates) + 1}]: the root and "
+                             f"at most {min(MAX_NODES, candidates)} of the {candidates} nodes topk={topk} drafts over "
+                             f"depth {depth}")
+        if tree.block > MAX_NODES:
+            raise ValueError(f"topk={topk} at depth {depth} drafts {tree.block} nodes in its last level's block; at "
+                             f"most {MAX_NODES} are supported")
+        return tree
+
+    @property
+    def block(self) -> int:  # the nodes the head reruns at the last depth: topk per level above it
+        return (self.depth - 1) * self.topk
+
+    def real_nodes(self, budget: int) -> int:
+        """Nodes among the N that lie within a chain budget of b >= 1 drafts: the selection ranks deeper ones last."""
+        return min(self.num_drafts, self.topk + (budget - 1) * self.topk * self.topk)
+
+    @property
+    def placeholder(self) -> TokenTree:  # what a row holds before its first drafts: N children of the root
+        return TokenTree(tuple((r,) for r in range(self.num_drafts)))
+
+
+TreeShape = TokenTree | DynamicTree
+
+
+def tree_tables(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depths, bits) [n, N + 1] int64 of trees given by parents [n, N + 1] int64 (parents[:, j] < j; column 0 -1),
+    by one gather per node."""
+    depths = torch.zeros_like(parents)
+    bits = torch.ones_like(parents)
+    for j in range(1, parents.shape[1]):
+        parent = parents[:, j : j + 1]
+        depths[:, j] = depths.gather(1, parent).squeeze(1) + 1
+        bits[:, j] = bits.gather(1, parent).squeeze(1) | 1 << j
+    return depths, bits
 
 
 class DeviceTree:
-    """A tree's tables on the device, made once: what the input gather, the attention mask, verification and the
-    path's compaction read."""
+    """Every request row's tree on the device: what the input gather, the attention mask, verification and the
+    path's compaction read. A static tree fills all rows once; a dynamic one's rows are written with their drafts."""
 
-    def __init__(self, tree: TokenTree, device: torch.device):
-        self.tree = tree
-        self.parents = torch.tensor(tree.parents, dtype=torch.int64, device=device)  # [N + 1]
-        self.depths = torch.tensor(tree.depths, dtype=torch.int64, device=device)  # [N + 1]
-        self.bits = torch.tensor(tree.bits, dtype=torch.int64, device=device)  # [N + 1]
-        self.ranks = torch.tensor(tree.ranks, dtype=torch.int64, device=device)  # [N + 1]
-        # [depth + 1]: the nodes of depth <= b, a prefix of 1..N (breadth-first)
-        self.within = torch.tensor([sum(d <= b for d in tree.depths[1:]) for b in range(tree.depth + 1)],
-                                   dtype=torch.int32, device=device)
+    def __init__(self, shape: TreeShape, num_rows: int, device: torch.device):
+        self.num_drafts, self.depth = shape.num_drafts, shape.depth
+        tree = shape if isinstance(shape, TokenTree) else shape.placeholder
+        self.parents = torch.tensor(tree.parents, dtype=torch.int64, device=device).repeat(num_rows, 1)  # [rows, N+1]
+        self.depths = torch.tensor(tree.depths, dtype=torch.int64, device=device).repeat(num_rows, 1)
+        self.bits = torch.tensor(tree.bits, dtype=torch.int64, device=device).repeat(num_rows, 1)
 
-    def num_real(self, budgets: torch.Tensor) -> torch.Tensor:
-        """[n] int32: the real nodes of requests whose chain budget (drafts they may still emit) is budgets [n]."""
-        return self.within[budgets.long().clamp(0, self.tree.depth)]
+    def set_rows(self, rows: torch.Tensor, parents: torch.Tensor) -> None:
+        """Rows [n] int64 take the trees parents [n, N + 1] int64 (their next verify step's)."""
+        depths, bits = tree_tables(parents)
+        self.parents[rows], self.depths[rows], self.bits[rows] = parents, depths, bits
+
+    def of_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parents, depths) [n, N + 1] of rows [n]: what verification reads."""
+        return self.parents[rows], self.depths[rows]
 
     def write_step_inputs(self, positions: torch.Tensor, tree_bits: torch.Tensor, num_tokens: torch.Tensor,
                           common: CommonAttentionMetadata) -> None:
@@ -147,14 +224,16 @@ class DeviceTree:
         pos = positions[:t]
         req = torch.searchsorted(common.query_start_loc[1:].long(), torch.arange(t, device=pos.device), right=True)
         row = common.request_rows[req.clamp(max=n - 1)].long()
-        root = num_tokens[row.clamp(min=0)].long() - 1
+        real_row = row.clamp(min=0)
+        root = num_tokens[real_row].long() - 1
         node = pos - root
-        is_draft = (row >= 0) & (node >= 1) & (node <= self.tree.num_drafts)
-        node = node.clamp(0, self.tree.num_drafts)
-        pos.copy_(torch.where(is_draft, root + self.depths[node], pos))
-        tree_bits[:t] = torch.where(is_draft, self.bits[node], -1)
+        is_draft = (row >= 0) & (node >= 1) & (node <= self.num_drafts)
+        node = node.clamp(0, self.num_drafts)
+        pos.copy_(torch.where(is_draft, root + self.depths[real_row, node], pos))
+        tree_bits[:t] = torch.where(is_draft, self.bits[real_row, node], -1)
 
-    def moves(self, path: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def moves(path: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What moves each request's accepted path to a chain's rows: row first + j takes row first + path[j].
         path [n, m] int64 (-1 after the path), first [n] int64 -> (moves, src, dst), each [n * m]. Fixed shapes, no
         mask (a host sync): an entry off the path copies its row onto itself, and no row is both a moved one's
@@ -169,21 +248,21 @@ class TreeSteps:
     """The runner's two token-tree hooks: before the forward, draft nodes get their depth's positions and their
     ancestors' mask; after verification, each request's accepted path moves to a chain's rows and KV slots."""
 
-    def __init__(self, tree: TokenTree, target_layers: list, backends: list, max_num_tokens: int,
+    def __init__(self, shape: TreeShape, target_layers: list, backends: list, max_num_tokens: int, num_rows: int,
                  device: torch.device):
         unable = [b.name for b in backends if not b.capabilities.token_trees]
         if unable:
-            raise ValueError(f"speculative_token_tree needs attention that masks a token tree; backend(s) {unable} "
-                             "cannot (torch_ref and triton can)")
+            raise ValueError(f"a token tree needs attention that masks it; backend(s) {unable} cannot (torch_ref and "
+                             "triton can)")
         if any(getattr(layer.spec, "sliding_window", None) for layer in target_layers):
-            raise ValueError("speculative_token_tree does not combine with sliding-window attention")
-        self.tree = tree.on(device)
+            raise ValueError("a token tree does not combine with sliding-window attention")
+        self.tree = DeviceTree(shape, num_rows, device)
         self.target_layers = target_layers
         self.bits = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
 
     def replays_with_bits(self, graph_key: tuple[int, int] | None) -> bool:
         """Whether a step replays a verify graph, which reads `bits` whatever the step (DecodeGraphs tree_bits)."""
-        return graph_key is not None and graph_key[1] == self.tree.tree.num_drafts + 1
+        return graph_key is not None and graph_key[1] == self.tree.num_drafts + 1
 
     def prepare(self, common: CommonAttentionMetadata, positions: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """A step that verifies drafts, or replays a verify graph: positions [>= T] rewritten in place (draft nodes

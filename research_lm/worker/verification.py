@@ -11,6 +11,8 @@ token, as plain sampling returns them; they are read at collect, once the host k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -19,8 +21,17 @@ from research_lm.engine.request import Logprob
 from research_lm.worker.rejection_sampler import rejection_sample
 from research_lm.worker.rng import to_device
 from research_lm.worker.sampler import SamplingBatch, compute_probs, gather_logprobs, logprobs_to_dicts
-from research_lm.worker.token_tree import DeviceTree
 from research_lm.worker.tree_verification import accept_tree_greedily, tree_rejection_sample
+
+
+@dataclass(frozen=True)
+class RequestTrees:
+    """The sampling requests' token trees: parents and depths [n, N + 1] int64 (`DeviceTree.of_rows`), and the depth
+    none exceeds (the outputs' width, less one)."""
+
+    parents: torch.Tensor
+    depths: torch.Tensor
+    max_depth: int
 
 
 def verify_drafts(
@@ -33,7 +44,7 @@ def verify_drafts(
     num_valid: torch.Tensor,  # [len(sampling)] int32 on the device: real drafts among each one's slots
     batch: SamplingBatch | None,  # None: every row plain greedy
     draft_probs: dict[str, torch.Tensor],  # request id -> [k, vocab] q of its drafts; verified ones are popped
-    tree: DeviceTree | None = None,  # the drafts are a token tree's nodes 1..N (research_lm/worker/token_tree.py)
+    tree: RequestTrees | None = None,  # the drafts are token trees' nodes 1..N (research_lm/worker/token_tree.py)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per sampling request: emitted tokens [n_s, m] int64 (-1 after the emitted ones), how many [n_s] int32, its
     real drafts verified [n_s] int32, and with a tree the accepted path [n_s, m] (node indices, -1 after), all on
@@ -77,25 +88,25 @@ def verify_drafts(
     return emitted, (emitted >= 0).sum(dim=1).to(torch.int32), num_real, None
 
 
-def _verify_tree(tree: DeviceTree, drafts: torch.Tensor, logits: torch.Tensor, greedy_ids: torch.Tensor | None,
+def _verify_tree(tree: RequestTrees, drafts: torch.Tensor, logits: torch.Tensor, greedy_ids: torch.Tensor | None,
                  target_row: torch.Tensor | None, num_real: torch.Tensor, batch: SamplingBatch | None,
                  reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chain's layout read as a tree's (slot j = node j + 1; a request given fewer slots has the first nodes,
     its others unreal): greedy longest path, or the multi-draft rejection rule (worker/tree_verification.py)."""
     n, k = drafts.shape
     nodes = torch.cat([drafts.new_zeros(n, 1), drafts], dim=1)  # node 0, the root, is no draft
-    parents, depths = tree.parents[: k + 1], tree.depths[: k + 1]
+    parents, depths = tree.parents[:, : k + 1], tree.depths[:, : k + 1]
     if batch is None or batch.plain_argmax:
         target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
         target = (target if target_row is None else target[target_row]).view(n, k + 1)
         emitted, num_emitted, path = accept_tree_greedily(nodes, parents, target, num_real,
-                                                          max_depth=tree.tree.depth, depths=depths)
+                                                          max_depth=tree.max_depth, depths=depths)
     else:
         probs = compute_probs(logits, batch)
         probs = (probs if target_row is None else probs[target_row]).view(n, k + 1, -1)
         emitted, num_emitted, path = tree_rejection_sample(
             nodes, parents, probs, [s.request.sampling_params.greedy for s in reqs], [s.request.seed for s in reqs],
-            [s.request.num_output_tokens for s in reqs], num_real, max_depth=tree.tree.depth, depths=depths)
+            [s.request.num_output_tokens for s in reqs], num_real, max_depth=tree.max_depth, depths=depths)
     return emitted, num_emitted.to(torch.int32), num_real, path
 
 
