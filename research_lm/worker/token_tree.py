@@ -10,9 +10,9 @@ A verify step runs a request's N + 1 nodes as its query tokens, in that order, i
   (depth d to slot d), so everything after the verification sees a chain.
 A chain of k drafts is the tree `[(0,), (0, 0), ...]`: node j at depth j, every bit below it set.
 
-A dynamic tree (EAGLE-2; SGLang's `topk` and `num_draft_tokens`) has the same layout, but each request drafts its own
-shape each step: the runner keeps every request row's tables on the device (`DeviceTree`), a static tree's in all rows,
-a dynamic one's written with each request's drafts (`Drafts.tree_parents`).
+A dynamic tree (EAGLE-2, SGLang's `topk` and `num_draft_tokens`; suffix decoding's speculation trees) has the same
+layout, but each request drafts its own shape each step (`OwnTrees`): the runner keeps every request row's tables on
+the device (`DeviceTree`), a static tree's in all rows, an own tree's written with its drafts (`Drafts.tree_parents`).
 """
 
 from __future__ import annotations
@@ -125,14 +125,25 @@ class TokenTree:
 
 
 @dataclass(frozen=True)
-class DynamicTree:
-    """EAGLE-2's dynamic tree, SGLang's meaning: `depth` levels (num_speculative_tokens) of the `topk` best children of
-    the `topk` best nodes by cumulative draft probability, of which the `num_drafts` best (num_draft_tokens - 1: SGLang
-    counts the root) are verified. Each request's shape is its own, drafted each step (spec_decode/eagle_tree.py)."""
+class OwnTrees:
+    """Trees each request drafts for itself, step by step: at most `num_drafts` nodes, at most `depth` deep. The
+    proposer returns each request's shape with its drafts (`Drafts.tree_parents`)."""
 
-    topk: int
     depth: int
     num_drafts: int  # N
+
+    @property
+    def placeholder(self) -> TokenTree:  # what a row holds before its first drafts: N children of the root
+        return TokenTree(tuple((r,) for r in range(self.num_drafts)))
+
+
+@dataclass(frozen=True)
+class DynamicTree(OwnTrees):
+    """EAGLE-2's dynamic tree, SGLang's meaning: `depth` levels (num_speculative_tokens) of the `topk` best children of
+    the `topk` best nodes by cumulative draft probability, of which the `num_drafts` best (num_draft_tokens - 1: SGLang
+    counts the root) are verified (spec_decode/eagle_tree.py)."""
+
+    topk: int = 1
 
     @classmethod
     def of_config(cls, speculative_config: dict) -> DynamicTree | None:
@@ -155,7 +166,7 @@ class DynamicTree:
                 raise ValueError(f"topk=1 drafts a chain of num_speculative_tokens={depth}: num_draft_tokens must be "
                                  f"{depth + 1} (the root and its drafts), got {total}")
             return None
-        tree = cls(topk, depth, total - 1)
+        tree = cls(depth, total - 1, topk)
         candidates = topk + (depth - 1) * topk * topk
         if not 2 <= total <= min(MAX_NODES, candidates) + 1:
             raise ValueError(f"num_draft_tokens={total} must be in [2, {min(MAX_NODES, candidates) + 1}]: the root and "
@@ -174,12 +185,8 @@ class DynamicTree:
         """Nodes among the N that lie within a chain budget of b >= 1 drafts: the selection ranks deeper ones last."""
         return min(self.num_drafts, self.topk + (budget - 1) * self.topk * self.topk)
 
-    @property
-    def placeholder(self) -> TokenTree:  # what a row holds before its first drafts: N children of the root
-        return TokenTree(tuple((r,) for r in range(self.num_drafts)))
 
-
-TreeShape = TokenTree | DynamicTree
+TreeShape = TokenTree | OwnTrees
 
 
 def tree_tables(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

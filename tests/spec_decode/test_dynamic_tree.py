@@ -97,7 +97,7 @@ def test_eagle1_dynamic_tree_is_eagle2s_selection(tiny_checkpoint, hf_model, tmp
     hf = hf_model("llama")
     w = {k: v.float() for k, v in tensors.items()}
     embed, lm_head = hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach()
-    tree = DynamicTree(topk=2, depth=3, num_drafts=5)
+    tree = DynamicTree(depth=3, num_drafts=5, topk=2)
     full = [r for r in records if r[3] == tree.num_drafts]
     assert len(full) > 20
     same = 0
