@@ -106,13 +106,13 @@ case ${1:-tests} in
       grep -hE '"(mean_acceptance_length|speedup|tpot_ratio|draft_ms_per_step_median|verify_ms_per_step_median)"' \
         multirun/b1_$1/*/results.json
     done ;;
-  trees)  # issue 29: the tree GPU tests, then spec_tree (chain vs tree16) on the reference target at batch 1 / 8 / 32,
+  trees)  # issue 29: the tree GPU tests, then spec_tree (chain vs tree16 vs dynamic) on the reference target at batch 1 / 8 / 32,
           # greedy and T = 1, with the adaptive policy off and on (trains the reference first when missing)
     python -m pytest -m gpu tests/spec_decode/test_token_tree.py tests/attention_zoo/test_tree_attention.py \
       -p no:cacheprovider -rfE -q
     [ -d outputs/reference/target ] || SIDE_BY_SIDE=1 bash experiments/train_reference.sh outputs/reference
     python -m research_lm -m experiment=spec_tree device=cuda logger=jsonl model=hf \
-      model.name=outputs/reference/target spec.model=outputs/reference/eagle3 spec_tree=chain,tree16 \
+      model.name=outputs/reference/target spec.model=outputs/reference/eagle3 spec_tree=chain,tree16,dynamic \
       runner.max_num_seqs=1,8,32 workload.temperature=0.0,1.0 +spec.speculation_policy=always,adaptive \
       runner.num_gpu_blocks=4096 hydra.sweep.dir=multirun/trees
     python -m research_lm.harness.report multirun/trees ;;

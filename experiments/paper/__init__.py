@@ -103,6 +103,18 @@ _SPEC_REFERENCE_ABOUT = (
     "experiments/results/PERFORMANCE.md).")
 
 
+# spec_tree_h200: EAGLE-3 chain vs static vs dynamic tree on the reference target, one part per tree and batch
+_SPEC_TREE_PARTS = tuple(
+    (f"spec_tree={tree}", f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}",
+     f"warmup_requests={b}")
+    for tree in ("chain", "tree16", "dynamic") for b in (1, 8, 32))
+# spec_suffix_h200: the model-free proposers and EAGLE-3 on the agentic and code workloads, one part per method and batch
+_SPEC_SUFFIX_PARTS = tuple(
+    (*method, f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
+    for method in (("spec=ngram",), ("spec=suffix",), ("spec=suffix", "spec.suffix_decoding_tree=true"),
+                   ("spec=eagle3", f"spec.model={_REF}/eagle3"))
+    for b in (1, 8, 32))
+
 def command(name: str) -> str:
     return f"python -m experiments.paper {name}"
 
@@ -356,6 +368,39 @@ TABLES: dict[str, Table] = {
               "where every request is plain greedy (issue 28; a temperature-1 step is collected first); "
               "ab_issue28_ablation_h200 is the same-run A/B of its greedy eagle3 / draft_model / ngram "
               "cells against the commit before the redesign.",
+    ),
+    "spec_tree_h200": Table(
+        what="EAGLE-3 chain (depth 4) vs static 16-node tree vs EAGLE-2 dynamic tree (15 nodes, topk 4, depth 4) on the "
+             "GPU reference target x batch {1,8,32} x temperature {0,1} x speculation policy {always, adaptive}",
+        device="cuda", measured_on="NVIDIA H200",
+        minutes="~9 min on one GPU (108 jobs; + ~8.5 min training when missing)",
+        sweep=("experiment=spec_tree", "device=cuda", "logger=jsonl", "model=hf", f"model.name={_REF}/target",
+               f"spec.model={_REF}/eagle3", "workload.temperature=0.0,1.0", "+spec.speculation_policy=always,adaptive",
+               "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
+        parts=_SPEC_TREE_PARTS, prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
+        repeat_key="seed", title="Token trees vs a chain, EAGLE-3 on the reference target (GPU)",
+        about="The GPU reference target and its EAGLE-3 head (spec_ablation_h200's), 8 code prompts at batch 1 and 4 x "
+              "batch at 8 and 32, 128 output tokens, 3 seeds per cell; each job also runs the workload without "
+              "speculation in the same process (speedup). spec_tree=chain: 4 drafts; tree16: conf/spec_tree/tree16.yaml "
+              "(16 nodes, depth 4); dynamic: EAGLE-2 (topk 4, num_draft_tokens 16: 15 nodes of depth <= 4 chosen per "
+              "request and step). Trees draft eagerly at collect (no draft graphs); the chain drafts from graphs and "
+              "launches ahead. The adaptive policy drafts only where it measures drafting faster per batch size.",
+    ),
+    "spec_suffix_h200": Table(
+        what="suffix decoding (path and tree) vs ngram vs EAGLE-3 (k = 5, greedy) on the agentic and code workloads, "
+             "GPU reference target x batch {1,8,32}",
+        device="cuda", measured_on="NVIDIA H200",
+        minutes="~6 min on one GPU (72 jobs; + ~8.5 min training when missing)",
+        sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
+               f"model.name={_REF}/target", "spec.num_speculative_tokens=5", "workload=agentic,code",
+               "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
+        parts=_SPEC_SUFFIX_PARTS, prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
+        repeat_key="seed", title="Suffix decoding vs ngram vs EAGLE-3 on agentic and code workloads (GPU)",
+        about="The GPU reference target, k = 5 drafts (suffix: at most 5, by spec factor 1 x the match length; its "
+              "tree variant 5 nodes verified as a token tree), greedy, 8 prompts at batch 1 and 4 x batch at 8 and 32, "
+              "128 output tokens, 3 seeds per cell; each job also runs the workload without speculation in the same "
+              "process. workload=agentic: coding-agent sessions that re-emit and edit earlier outputs (conf/workload/"
+              "agentic.yaml); code: stdlib code prompts.",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",

@@ -189,22 +189,23 @@ def test_tree_verify_graphs_match_eager_on_cpu(tiny_checkpoint, tmp_path):
 @pytest.mark.gpu
 def test_trees_on_cuda_keep_greedy_outputs():
     """On CUDA (triton, verify graphs reading the masks in place, launch-ahead where it applies): the built-in pair's
-    EAGLE-3 head drafting spec_tree's 16-node tree gives plain greedy's tokens, and accepts more per verification
-    than the depth-4 chain."""
+    EAGLE-3 head drafting spec_tree's 16-node static tree and its dynamic EAGLE-2 tree (15 nodes, per-row tables)
+    gives plain greedy's tokens, and each accepts more per verification than the depth-4 chain."""
     import research_lm
 
     assets = Path(research_lm.__file__).parent / "assets"
     target, head = str(assets / "tiny-llama"), str(assets / "tiny-llama-eagle3")
-    tree16 = yaml.safe_load((Path(__file__).parents[2] / "conf/spec_tree/tree16.yaml").read_text())
+    tree16, dynamic = (yaml.safe_load((Path(__file__).parents[2] / f"conf/spec_tree/{name}.yaml").read_text())
+                       for name in ("tree16", "dynamic"))
     prompts = [f.read_text(errors="ignore")[:600] for f in sorted(Path(random.__file__).parent.glob("*.py"))[:6]]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     knobs = dict(dtype="float32", device="cuda", max_num_seqs=4)
     want = [o.outputs[0].token_ids for o in LLM(target, **knobs).generate(prompts, params, use_tqdm=False)]
     taus = {}
-    for name, spec in (("chain", {"num_speculative_tokens": 4}), ("tree", tree16)):
+    for name, spec in (("chain", {"num_speculative_tokens": 4}), ("tree", tree16), ("dynamic", dynamic)):
         llm = LLM(target, **knobs, speculative_config={"method": "eagle3", "model": head, **spec})
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want, name
         steps = sum(o.metrics.num_draft_tokens for o in outs) / llm.engine.runner.proposer.num_speculative_tokens
         taus[name] = 1 + sum(o.metrics.num_accepted_tokens for o in outs) / steps
-    assert taus["tree"] > taus["chain"], taus
+    assert taus["tree"] > taus["chain"] and taus["dynamic"] > taus["chain"], taus
