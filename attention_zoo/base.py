@@ -58,6 +58,10 @@ class BackendCapabilities:
     eager_plans_on_host: bool = False
     # Honours `CommonAttentionMetadata.tree_bits` (token-tree verify steps); others serve causal steps only.
     token_trees: bool = False
+    # With the impl's `batch_invariant` on (CUDA), each query row's output is the same bits whatever the other
+    # requests of the step, its own request's query length (decode, verify, a prefill chunk) and how its context
+    # was split into steps: a KV tile and split policy fixed by the head shape. The engine refuses the others.
+    batch_invariant: bool = False
 
     def missing(self, spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str | None:
         """A sentence naming what this backend lacks for (spec, device, dtype), or None if it serves it."""
@@ -77,6 +81,8 @@ class AttentionImpl(ABC):
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
+        # Set through the layer (`Attention.batch_invariant`); read by backends whose capabilities claim it.
+        self.batch_invariant = False
 
     @abstractmethod
     def forward(

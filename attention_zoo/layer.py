@@ -33,6 +33,16 @@ class CacheLayer(nn.Module):
 class Attention(CacheLayer):
     """Paged attention over this layer's KV cache."""
 
+    @property
+    def batch_invariant(self) -> bool:
+        """The impl's switch (`research_lm.ops.set_batch_invariant` sets it like any module's): a backend whose
+        capabilities claim `batch_invariant` then plans launches that no row's result depends on."""
+        return self.impl.batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, enabled: bool) -> None:
+        self.impl.batch_invariant = enabled
+
     @torch.compiler.disable  # see CacheLayer
     def forward(
         self,

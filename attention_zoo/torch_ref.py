@@ -97,6 +97,9 @@ class TorchRefBackend(AttentionBackend):
         cuda_graphs=False,
         eager_plans_on_host=True,
         token_trees=True,
+        # Not batch_invariant: on CUDA its einsums are cuBLAS batched GEMMs whose kernel (and split of the key sum)
+        # follows the request's query length, so a decode row and the same row in a verify step can differ.
+        batch_invariant=False,
     )
 
     @classmethod

@@ -6,6 +6,13 @@ sequences and long contexts take the split-KV (flash-decoding) path: partial out
 Every host-side choice (tile shape, split count) comes from host integers of the step's metadata,
 made once per step and per layer shape, so forward never syncs and can be captured in a CUDA graph.
 The kernels and their launchers live in `attention_zoo/triton_kernels/`.
+
+Batch-invariant plan (the impl's `batch_invariant`, `EngineConfig.batch_invariant`): the tile from the head shape
+alone (`batch_invariant_tile_config`) and no split-KV, for decode, verify and prefill alike. A row's online
+softmax then walks the same key tiles, at absolute boundaries, in the same order, through the same dot shapes,
+whatever the step holds; key tiles a row cannot see (past its position, in a longer query) leave its running
+max, sum and accumulator exactly as they were. The cost: small decode batches over long contexts lose the
+flash-decoding parallelism, and prefill runs 16-row instead of 64-row query tiles.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import triton
 from attention_zoo.base import AttentionBackend, AttentionImpl, AttentionSpec, BackendCapabilities
 from attention_zoo.metadata import CommonAttentionMetadata
 from attention_zoo.registry import register_backend
-from attention_zoo.triton_kernels import TileConfig, reshape_and_cache, unified_attention
+from attention_zoo.triton_kernels import TileConfig, batch_invariant_tile_config, reshape_and_cache, unified_attention
 from attention_zoo.triton_kernels.unified_attention import default_tile_config
 
 # Under TRITON_INTERPRET=1 the kernels run (slowly) on CPU tensors; that is how CPU tests use them.
@@ -67,18 +74,24 @@ class TritonAttentionMetadata:
     sm_count: int
     force_num_splits: int | None = None  # tests force the split-KV path on (or off) with this
     force_tile: TileConfig | None = None
-    # (num_heads, num_kv_heads, head_size) -> plan: decided by the first layer of that shape, reused.
-    _plans: dict[tuple[int, int, int], LaunchPlan] = field(default_factory=dict)
+    # (num_heads, num_kv_heads, head_size, batch_invariant) -> plan: decided by the first layer of that kind, reused.
+    _plans: dict[tuple[int, int, int, bool], LaunchPlan] = field(default_factory=dict)
 
-    def plan(self, spec: AttentionSpec) -> LaunchPlan:
-        key = (spec.num_heads, spec.num_kv_heads, spec.head_size)
+    def plan(self, spec: AttentionSpec, batch_invariant: bool = False) -> LaunchPlan:
+        key = (spec.num_heads, spec.num_kv_heads, spec.head_size, batch_invariant)
         if key not in self._plans:
             c = self.common
             group = spec.num_heads // spec.num_kv_heads
-            tile = self.force_tile or default_tile_config(c.max_query_len, group, spec.head_size, _INTERPRET)
+            if batch_invariant:  # nothing from the step: see the module docstring
+                tile = batch_invariant_tile_config(group, spec.head_size, _INTERPRET)
+            else:
+                tile = default_tile_config(c.max_query_len, group, spec.head_size, _INTERPRET)
+            tile = self.force_tile or tile
             splits = self.force_num_splits
             if splits is not None:
                 self._plans[key] = LaunchPlan(tile, splits, min_split_tokens=0)
+            elif batch_invariant:
+                self._plans[key] = LaunchPlan(tile, 1)
             else:
                 splits = choose_num_splits(
                     c.num_reqs, spec.num_kv_heads, c.max_seq_len, c.is_pure_decode, self.sm_count
@@ -92,7 +105,7 @@ class TritonAttentionImpl(AttentionImpl):
         common = metadata.common
         reshape_and_cache(k, v, kv_cache, common.slot_mapping)
         out = torch.empty_like(q)
-        plan = metadata.plan(self.spec)
+        plan = metadata.plan(self.spec, self.batch_invariant)
         return unified_attention(
             q,
             kv_cache,
@@ -121,6 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
         cuda_graphs=True,
         cuda_graphs_multi_token=True,  # grid and tile depend only on num_tokens, num_reqs and max_query_len > 1
         token_trees=True,  # the kernel reads tree_bits on the device: a graph's persistent buffer serves each replay
+        batch_invariant=True,  # the plan of `batch_invariant_tile_config`, no split-KV (module docstring)
     )
 
     @classmethod

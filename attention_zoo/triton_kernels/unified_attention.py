@@ -321,6 +321,21 @@ def default_tile_config(max_query_len: int, group: int, head_size: int, interpre
     return TileConfig(block_q=max(1, 64 // group), tile_n=64, num_warps=4, num_stages=3)
 
 
+def batch_invariant_tile_config(group: int, head_size: int, interpret: bool) -> TileConfig:
+    """One tile for every step (decode, verify, prefill chunk): the Q tile's rows BLOCK_M, the key tile and the
+    warps depend on the head shape only, so each (query token, head) row goes through the same dot shapes and
+    the same key tiles, at absolute boundaries t * tile_n, whatever the step (`batch_invariant` plans).
+
+    BLOCK_M = max(16, group rounded up to a power of 2) rows, as `default_tile_config` gives decode (one token's
+    GROUP heads, padded), here filled with more tokens for longer queries: decode keeps its tile, prefill gives up
+    its 64-row tiles.
+    """
+    block_q = max(1, 16 // group)
+    if interpret:
+        return TileConfig(block_q=block_q, tile_n=16)
+    return TileConfig(block_q=block_q, tile_n=64, num_warps=2, num_stages=3)
+
+
 def unified_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]

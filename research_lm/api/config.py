@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -16,6 +17,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 _BATCH_LIMITS = {"cuda": (256, 16384), "cpu": (64, 2048)}  # device -> (max_num_seqs, max_num_batched_tokens)
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's name: "1" turns `batch_invariant` on
 
 
 @dataclass
@@ -50,6 +52,11 @@ class EngineConfig:
     prefill_graph_sizes: list[int] | None = None
     # Triton kernels for RMSNorm(+residual), rotary and SiLU*mul on CUDA (research_lm.ops); off: the torch path.
     fused_ops: bool = True
+    # On CUDA every kernel on the model path reduces each token's row in an order that depends neither on the
+    # other rows of the step, nor on the query tokens per request, nor on how a context was split into steps:
+    # greedy tokens and logprobs are then the same alone, in a batch, chunked, preempted or speculated
+    # (research_lm/ops/batch_invariant.py). Also on with env VLLM_BATCH_INVARIANT=1. On CPU it changes nothing.
+    batch_invariant: bool = False
     # The model forward through torch.compile (inductor, dynamic shapes; attention stays eager; composes with
     # cuda_graphs). See research_lm/worker/compilation.py.
     compile: bool = False
@@ -81,6 +88,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        self.batch_invariant = self.batch_invariant or os.environ.get(BATCH_INVARIANT_ENV, "0").strip() == "1"
+        self._check_batch_invariant()
         if self.speculative_config:  # a bad value is refused before the target's weights load
             from research_lm.worker.spec import check_speculative_config
 
@@ -109,6 +118,18 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), got {self.num_gpu_blocks}")
+
+    def _check_batch_invariant(self) -> None:
+        """What no model can make batch-invariant; the engine refuses backends and layers when it builds them."""
+        if not self.batch_invariant:
+            return
+        if self.compile:
+            raise ValueError("batch_invariant=True does not combine with compile=True: inductor picks its own "
+                             "reduction splits from each shape; turn one off")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"batch_invariant=True does not combine with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: NCCL's all-reduce sums in an order set by the message "
+                             "size and each row's place in it, hence by the batch; use 1")
 
     def for_device(self, device: torch.device) -> EngineConfig:
         """This config with the batch limits left None sized for `device`: vLLM's offline sizes on a GPU (what

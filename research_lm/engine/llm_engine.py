@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from research_lm import ops
 from research_lm.api.config import EngineConfig
 from research_lm.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from research_lm.api.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ from research_lm.engine.spec_policy import build_policy
 from research_lm.engine.stop_strings import StopStrings
 from research_lm.eplb.controller import build_eplb_controller
 from research_lm.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
-from research_lm.ops import set_fused_ops
+from research_lm.ops import set_batch_invariant, set_fused_ops
 from research_lm.worker.pending_step import PendingStep
 from research_lm.worker.rng import mix_seed
 from research_lm.worker.runner import ModelRunner
@@ -81,8 +82,14 @@ class LLMEngine:
                 trust_remote_code=config.trust_remote_code, embed_tokens=self.model.get_input_embeddings(),
                 compute_logits=self.model.compute_logits, model_path=path)
             proposer = build_proposer(dict(config.speculative_config), target)
-        for module in (self.model, *(proposer.drafters() if proposer else [])):  # fused_ops reach the drafter too
+        models = (self.model, *(proposer.drafters() if proposer else []))
+        for module in models:  # fused_ops and batch_invariant reach the drafter too
             set_fused_ops(module, config.fused_ops)
+            set_batch_invariant(module, config.batch_invariant)
+        if config.batch_invariant and device.type in ops.FUSED_DEVICE_TYPES:  # on CPU the switch changes nothing
+            from research_lm.ops.batch_invariant import check_batch_invariant
+
+            check_batch_invariant(models)
         self.runner = ModelRunner(
             self.model, device=device, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,

@@ -2,6 +2,9 @@
 
 RMSNorm, RotaryEmbedding and GatedMLP run fused Triton kernels on CUDA (`research_lm.ops`; each module's
 `fused_ops` switch, `set_fused_ops(model, False)` for all); on CPU and under torch.compile, the torch code.
+With `batch_invariant` on (`set_batch_invariant(model, True)`), the linear layers, the LM head and RMSNorm take
+kernels whose reduction order per row does not depend on the batch (`research_lm.ops.batch_invariant`) for CUDA
+tensors; on CPU the switch changes nothing.
 
 Parameters are created with torch's current default device and dtype: build them inside
 `base.build_scope`. Every parameter gets a `weight_loader`. The `*Parallel*` layers take an optional
@@ -19,14 +22,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from research_lm.models.base import default_weight_loader, set_weight_loader
-from research_lm.ops import apply_rotary, rms_norm_ref, rope_cos_sin, silu_and_mul_ref, use_fused
+from research_lm.ops import (
+    apply_rotary,
+    rms_norm_ref,
+    rope_cos_sin,
+    silu_and_mul_ref,
+    use_batch_invariant,
+    use_fused,
+)
 from research_lm.worker.parallel import TensorParallel, split_size
 
 
 class RMSNorm(nn.Module):
     """y = w * x / rms(x), the statistics in fp32 (as transformers does). Optionally fused with the residual add.
 
-    On CUDA one Triton kernel (`research_lm.ops`), unless `fused_ops` is off; else `rms_norm_ref`."""
+    On CUDA one Triton kernel (`research_lm.ops`), unless `fused_ops` is off; else `rms_norm_ref`. With
+    `batch_invariant` on, CUDA takes the kernel whatever `fused_ops` says: it reduces each row in one program
+    sized from hidden_size alone, where torch's mean picks its reduction layout from the whole tensor's shape."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -34,6 +46,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         set_weight_loader(self.weight, default_weight_loader)
         self.fused_ops = True
+        self.batch_invariant = False
 
     def forward(
         self,
@@ -41,7 +54,7 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None = None,  # [..., hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); or, with a residual, (norm(x + residual), x + residual): the new residual stream."""
-        if use_fused(self, x):
+        if use_fused(self, x) or use_batch_invariant(self, x):
             from research_lm.ops.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
@@ -186,9 +199,25 @@ def apply_rope(
 # Linear layers (Megatron's split: column-parallel in, row-parallel out, one all-reduce per pair)
 
 
+def batch_invariant_linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N], x's dtype
+    """F.linear through `research_lm.ops.batch_invariant.linear` (every leading dim flattened into its rows)."""
+    from research_lm.ops.batch_invariant import linear
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Module):
     """y = x W^T + b, replicated on every rank. The parallel subclasses hold this rank's share of W (their
-    `weight_loader` slices the checkpoint tensor) and add the collective their split needs."""
+    `weight_loader` slices the checkpoint tensor) and add the collective their split needs.
+
+    With `batch_invariant` on, CUDA inputs take `batch_invariant_linear` instead of cuBLAS."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):  # sizes: this rank's
         super().__init__()
@@ -200,6 +229,7 @@ class Linear(nn.Module):
             set_weight_loader(self.bias, self.weight_loader, self._shard_ids())
         else:
             self.register_parameter("bias", None)
+        self.batch_invariant = False
 
     def _shard_ids(self) -> tuple | None:
         return None
@@ -208,7 +238,14 @@ class Linear(nn.Module):
         default_weight_loader(param, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input_size] -> [..., output_size]
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
+
+    def _matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None  # x: [..., input_size], bias: [output_size]
+    ) -> torch.Tensor:  # [..., output_size]
+        if use_batch_invariant(self, x):
+            return batch_invariant_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class Block(NamedTuple):
@@ -270,8 +307,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input_size] (this rank's) -> [..., output_size]
         if self.tp is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        y = self.tp.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -350,6 +387,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * local if tp is not None else 0
         self.weight = nn.Parameter(torch.empty(local, embedding_dim))
         set_weight_loader(self.weight, self.weight_loader)
+        self.batch_invariant = False  # read by `compute_logits` (the lookup itself is exact)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
         if self.tp is not None:
@@ -372,11 +410,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     `compute_logits`, never called."""
 
 
-def compute_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+def compute_logits(
+    lm_head: VocabParallelEmbedding, hidden: torch.Tensor  # hidden: [n, hidden]
+) -> torch.Tensor:  # [n, vocab] fp32
     """Works for a `ParallelLMHead` and for a tied `VocabParallelEmbedding`; under tensor parallelism each rank
     computes its vocabulary slice and the all-gather gives every rank the whole row (so every rank samples the
-    same tokens from the same logits)."""
-    logits = F.linear(hidden, lm_head.weight)
+    same tokens from the same logits). With the head's `batch_invariant` on, CUDA takes `batch_invariant_linear`."""
+    if use_batch_invariant(lm_head, hidden):
+        logits = batch_invariant_linear(hidden, lm_head.weight)
+    else:
+        logits = F.linear(hidden, lm_head.weight)
     tp = getattr(lm_head, "tp", None)
     return (logits if tp is None else tp.all_gather(logits)).float()
 

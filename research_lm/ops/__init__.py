@@ -16,6 +16,13 @@ The switch: modules that can fuse (`RMSNorm`, `RotaryEmbedding`, `GatedMLP` in m
 `set_fused_ops(model, False)` puts a model back on the torch path; the engine applies
 `EngineConfig.fused_ops` (Hydra `runner.fused_ops`) to the target model and the drafter.
 
+Batch invariance, a second switch of the same shape: modules whose CUDA kernels could reduce a row in an order
+that depends on the rest of the step (`Linear` and its parallel variants, the LM head, `RMSNorm`, paged
+`Attention`) carry `batch_invariant = False`; `set_batch_invariant(model, True)` sends them to the kernels of
+`batch_invariant.py` (and the attention backend's invariant plan) for CUDA tensors (`use_batch_invariant`). On
+CPU nothing changes: CPU torch kernels run as before. The engine applies `EngineConfig.batch_invariant` (Hydra
+`runner.batch_invariant`, env `VLLM_BATCH_INVARIANT=1`) and refuses models that cannot meet it.
+
 `exponential_race` is the sampler's: argmax(probs / q) with q the `rng.exponential_rows` noise hashed in
 registers instead of ~20 int64 kernels over [N, V] (~2 ms per step at 256 x 128k on an H200). Its reference is
 `sampler.random_sample`'s torch path, whose tokens it reproduces bit for bit; `random_sample` (hence the
@@ -48,7 +55,21 @@ def set_fused_ops(module: nn.Module, enabled: bool) -> None:
             m.fused_ops = enabled
 
 
+def use_batch_invariant(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `module` runs its batch-invariant kernel on `x`: its `batch_invariant` switch is on and x lives on a
+    device the kernels serve (on CPU the switch changes nothing)."""
+    return module.batch_invariant and x.device.type in FUSED_DEVICE_TYPES
+
+
+def set_batch_invariant(module: nn.Module, enabled: bool) -> None:
+    """Turn batch-invariant kernels on or off in every submodule that has them (whether the model can meet the
+    guarantee is `batch_invariant.check_batch_invariant`'s question, which the engine asks on CUDA)."""
+    for m in module.modules():
+        if hasattr(m, "batch_invariant"):
+            m.batch_invariant = enabled
+
+
 __all__ = [
-    "FUSED_DEVICE_TYPES", "apply_rotary", "rms_norm_ref", "rope_cos_sin", "rotary_ref", "set_fused_ops",
-    "silu_and_mul_ref", "use_fused",
+    "FUSED_DEVICE_TYPES", "apply_rotary", "rms_norm_ref", "rope_cos_sin", "rotary_ref", "set_batch_invariant",
+    "set_fused_ops", "silu_and_mul_ref", "use_batch_invariant", "use_fused",
 ]
