@@ -76,6 +76,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "research_lm CUDA graphs, synchronous steps": {"cuda_graphs": True, "async_scheduling": False},
     "research_lm CUDA graphs": {"cuda_graphs": True},
     "research_lm compiled + CUDA graphs": {"cuda_graphs": True, "compile": True},
+    "research_lm CUDA graphs batch-invariant": {"cuda_graphs": True, "batch_invariant": True},  # issue 35's cost
 }
 
 
@@ -231,6 +232,8 @@ def research_lm_rows(path: str, args, prompts: list[list[int]], device: torch.de
     rows = []
     batch = len(prompts)
     for label, variant in VARIANTS.items():
+        if args.variant and label not in args.variant:
+            continue
         graphs = variant.get("cuda_graphs", False)
         row: dict[str, Any] = {"batch": batch, "variant": label, "backend": args.backend}
         llm = engine = None
@@ -322,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-hf", action="store_true", help="no transformers rows")
     p.add_argument("--skip-hf-dynamic", action="store_true", help="no transformers dynamic-cache row")
     p.add_argument("--skip-hf-static", action="store_true")
+    p.add_argument("--variant", action="append", choices=sorted(VARIANTS),
+                   help="only these research_lm rows (repeat the flag); default: all")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=32)
     add_repeat_args(p)

@@ -77,7 +77,9 @@ def roofline_bytes(in_lens: list[int], out_lens: list[int], *, weight_bytes: int
     return total
 
 
-def research_lm_rows(path: str, args, device: torch.device, temperatures: list[float]) -> list[dict[str, Any]]:
+def research_lm_rows(path: str, args, device: torch.device, temperatures: list[float],
+                     **variant: Any) -> list[dict[str, Any]]:
+    """One LLM (the table's settings and `variant`'s keywords) over the workload at each temperature."""
     from research_lm import LLM, SamplingParams
 
     rows = []
@@ -86,7 +88,7 @@ def research_lm_rows(path: str, args, device: torch.device, temperatures: list[f
     llm = LLM(
         path, load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=args.backend,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048,
-        num_gpu_blocks=blocks, enable_prefix_caching=False, cuda_graphs=not args.no_graphs,
+        num_gpu_blocks=blocks, enable_prefix_caching=False, cuda_graphs=not args.no_graphs, **variant,
     )  # fmt: skip
     graphs = llm.engine.runner.cuda_graphs
     note = f"CUDA graphs for batch <= {max(graphs.sizes[1])}" if graphs else "eager (no CUDA graphs)"
@@ -104,7 +106,9 @@ def research_lm_rows(path: str, args, device: torch.device, temperatures: list[f
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert out_tokens == sum(sp.max_tokens for sp in w.params)
         rows.append({
-            "system": f"research_lm ({args.backend}, temperature {temperature:g})", "wall_s": wall,
+            "system": f"research_lm ({args.backend}, temperature {temperature:g}"
+                      + "".join(f", {k.replace('_', '-')}" for k, v in variant.items() if v is True) + ")",
+            "wall_s": wall,
             "output_tokens": out_tokens, "input_tokens": sum(len(p) for p in w.prompts),
             "steps": len(llm.engine.metrics.steps),
             "preemptions": llm.engine.scheduler.num_preemptions - preempted, "note": note,
@@ -185,6 +189,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0,0.6", help="research_lm runs, comma-separated")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="research_lm's rows again with batch_invariant=True (issue 35's cost)")
     add_repeat_args(p)
     return p
 
@@ -221,6 +227,8 @@ def measure(args) -> dict[str, Any]:
     temps = [float(t) for t in args.temperatures.split(",") if t]
     try:
         rows += research_lm_rows(path, args, device, temps)
+        if args.batch_invariant:
+            rows += research_lm_rows(path, args, device, temps, batch_invariant=True)
     except Exception as e:  # reported, not fatal: the transformers row still runs
         rows.append({"system": "research_lm", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
     if not args.skip_hf:

@@ -108,7 +108,7 @@ _SPEC_TREE_PARTS = tuple(
     (f"spec_tree={tree}", f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}",
      f"warmup_requests={b}")
     for tree in ("chain", "tree16", "dynamic") for b in (1, 8, 32))
-# spec_suffix_h200: the model-free proposers and EAGLE-3 on the agentic and code workloads, one part per method and batch
+# spec_suffix_h200: the model-free proposers and EAGLE-3 on the agentic and code workloads, a part per method and batch
 _SPEC_SUFFIX_PARTS = tuple(
     (*method, f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
     for method in (("spec=ngram",), ("spec=suffix",), ("spec=suffix", "spec.suffix_decoding_tree=true"),
@@ -150,6 +150,23 @@ TABLES: dict[str, Table] = {
         device="cuda", measured_on="2 x NVIDIA H200", minutes="~40 s", bench="bench_tensor_parallel", ranks=2,
         args=("--shape", "llama-3.1-70b-32l", "--batch", "1", "64", "--steps", "32", "--warmup", "4"),
         smoke=_TP_SMOKE,
+    ),
+    "bench_decode_batch_invariant_h200": Table(
+        what="the cost of batch_invariant=True (issue 35): decode ms/step of a Llama-3.2-1B shape at batch 1 and 64, "
+             "CUDA graphs with and without the switch, against the floor",
+        device="cuda", measured_on="NVIDIA H200", minutes="~1 min", bench="bench_decode",
+        args=("--batch", "1", "64", "--skip-hf", "--steps", "128", "--variant", "research_lm CUDA graphs",
+              "--variant", "research_lm CUDA graphs batch-invariant"),
+        smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batch", "1", "2",
+               "--steps", "4", "--warmup", "1", "--skip-hf", "--prompt-len", "16", "--variant", "research_lm eager"),
+    ),
+    "bench_throughput_batch_invariant_h200": Table(
+        what="the cost of batch_invariant=True (issue 35): offline output tok/s on the nano-vllm workload (256 "
+             "requests, greedy) with and without the switch, against the roofline",
+        device="cuda", measured_on="NVIDIA H200", minutes="~2 min", bench="bench_throughput",
+        args=("--skip-hf", "--temperatures", "0", "--batch-invariant"),
+        smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--num-requests", "4",
+               "--skip-hf", "--temperatures", "0", "--batch-invariant", "--no-graphs"),
     ),
     "bench_throughput": Table(
         what="offline output tok/s on the nano-vllm workload (256 requests), research_lm vs transformers "
@@ -370,8 +387,8 @@ TABLES: dict[str, Table] = {
               "cells against the commit before the redesign.",
     ),
     "spec_tree_h200": Table(
-        what="EAGLE-3 chain (depth 4) vs static 16-node tree vs EAGLE-2 dynamic tree (15 nodes, topk 4, depth 4) on the "
-             "GPU reference target x batch {1,8,32} x temperature {0,1} x speculation policy {always, adaptive}",
+        what="EAGLE-3 chain (depth 4) vs static 16-node tree vs EAGLE-2 dynamic tree (15 nodes, topk 4, depth 4) on "
+             "the GPU reference target x batch {1,8,32} x temperature {0,1} x speculation policy {always, adaptive}",
         device="cuda", measured_on="NVIDIA H200",
         minutes="~9 min on one GPU (108 jobs; + ~8.5 min training when missing)",
         sweep=("experiment=spec_tree", "device=cuda", "logger=jsonl", "model=hf", f"model.name={_REF}/target",
@@ -381,10 +398,11 @@ TABLES: dict[str, Table] = {
         repeat_key="seed", title="Token trees vs a chain, EAGLE-3 on the reference target (GPU)",
         about="The GPU reference target and its EAGLE-3 head (spec_ablation_h200's), 8 code prompts at batch 1 and 4 x "
               "batch at 8 and 32, 128 output tokens, 3 seeds per cell; each job also runs the workload without "
-              "speculation in the same process (speedup). spec_tree=chain: 4 drafts; tree16: conf/spec_tree/tree16.yaml "
-              "(16 nodes, depth 4); dynamic: EAGLE-2 (topk 4, num_draft_tokens 16: 15 nodes of depth <= 4 chosen per "
-              "request and step). Trees draft eagerly at collect (no draft graphs); the chain drafts from graphs and "
-              "launches ahead. The adaptive policy drafts only where it measures drafting faster per batch size.",
+              "speculation in the same process (speedup). spec_tree=chain: 4 drafts; tree16: "
+              "conf/spec_tree/tree16.yaml (16 nodes, depth 4); dynamic: EAGLE-2 (topk 4, num_draft_tokens 16: 15 "
+              "nodes of depth <= 4 chosen per request and step). Trees draft eagerly at collect (no draft graphs); "
+              "the chain drafts from graphs and launches ahead. The adaptive policy drafts only where it measures "
+              "drafting faster per batch size.",
     ),
     "spec_suffix_h200": Table(
         what="suffix decoding (path and tree) vs ngram vs EAGLE-3 (k = 5, greedy) on the agentic and code workloads, "
