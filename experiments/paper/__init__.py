@@ -233,6 +233,14 @@ TABLES: dict[str, Table] = {
                                     for a in ("--case", f"ablation_{m}_b{b}"))),
         prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
     ),
+    "ab_issue28_ablation_eagle3_b8_h200": Table(
+        what="ab_issue28_ablation_h200's eagle3 batch-8 cell (0.870 at one repeat) again with 3 repeats, against "
+             "8f3c88e, on the GPU reference target (session 25's research_lm as `new`)",
+        device="cuda", measured_on="NVIDIA H200", minutes="~2.5 min (3 repeats; + ~8.5 min training when missing)",
+        bench="ab_commits", args=("--old", "8f3c88e", "--reference", _REF, "--spec-repeats", "3",
+                                  "--case", "ablation_eagle3_b8"),
+        prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
+    ),
     "ab_issue28_eagle3_b8_h200": Table(
         what="the same A/B on the shipped tiny pair's EAGLE-3 at batch 8 (k = 5, greedy, 256 tokens), 3 repeats: "
              "whether ab_issue28_ablation_h200's one-repeat eagle3 batch-8 cell is the mechanism's",
