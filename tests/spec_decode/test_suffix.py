@@ -7,9 +7,12 @@ Invariants:
   global one, the most-frequent-child path while its probability (count ratios) >= min_token_prob, at most
   min(k, floor(m * max_spec_factor)) tokens; the highest sum of probabilities wins (ties: longer match, own tree).
 - The global tree holds the last max_cached_requests finished outputs (FIFO); preempted requests add nothing.
-- Greedy suffix decoding is token-identical to plain greedy decoding under chunked prefill, preemption and prefix
-  caching; seeded sampling is the same with async scheduling on or off and, without a global tree, whatever the
-  batch around a request.
+- Speculation trees (suffix_decoding_tree) equal a brute-force reference: the `limit` most probable strings below the
+  match (ties: shallower, then smaller tokens) whose probability is >= min_token_prob, breadth-first; the best (tree,
+  m) as for paths. Where every node has one child they are the path, token for token.
+- Greedy suffix decoding, with paths or trees, is token-identical to plain greedy decoding under chunked prefill,
+  preemption and prefix caching; seeded sampling is the same with async scheduling on or off and, without a global
+  tree, whatever the batch around a request. A tree holding the path's drafts and their siblings accepts more.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from hypothesis import strategies as st
 
 from research_lm import LLM, SamplingParams
 from research_lm.engine.request import Request, RequestStatus
-from research_lm.worker.spec import StepOutcome, check_speculative_config
-from spec_decode.suffix import CachedOutputsTree, SuffixTree, build_proposer
+from research_lm.worker.spec import Drafts, StepOutcome, check_speculative_config
+from research_lm.worker.token_tree import OwnTrees
+from spec_decode.suffix import CachedOutputsTree, LinkedSuffixTree, SuffixTree, build_proposer
 from tests.engine.test_spec_greedy_identity import _repetitive_prompts
 
 seqs = st.lists(st.integers(0, 3), min_size=0, max_size=30)
@@ -116,10 +120,11 @@ def _propose(proposer, requests: list[Request], emitted: list[list[int]]) -> dic
     return out
 
 
-def _proposer(k: int, depth: int = 24, cached: int = 10000, factor: float = 1.0, min_prob: float = 0.1):
+def _proposer(k: int, depth: int = 24, cached: int = 10000, factor: float = 1.0, min_prob: float = 0.1,
+              tree: bool = False):
     return build_proposer({"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_max_tree_depth": depth,
                            "suffix_decoding_max_cached_requests": cached, "suffix_decoding_max_spec_factor": factor,
-                           "suffix_decoding_min_token_prob": min_prob}, None)
+                           "suffix_decoding_min_token_prob": min_prob, "suffix_decoding_tree": tree}, None)
 
 
 def reference_drafts(own: list[int], cached: list[list[int]], depth: int, k: int, factor: float,
@@ -146,6 +151,138 @@ def reference_drafts(own: list[int], cached: list[list[int]], depth: int, k: int
             if score > best_score:
                 best, best_score = drafts, score
     return best
+
+
+def reference_tree(sources: list[list[int]], match: tuple[int, ...], depth: int, limit: int,
+                   min_prob: float) -> tuple[list[int], list[int], float]:
+    """A speculation tree by brute force: of every string below `match` (the sources' substrings of at most `depth`
+    tokens) with probability >= min_prob, the `limit` best by (-probability, depth, tokens), breadth-first; node j's
+    parent (0: the match); the sum of their probabilities."""
+    count = brute_force(sources, depth)
+    below = []
+    for w in count:
+        if len(w) > len(match) and w[: len(match)] == match:
+            prob = 1.0
+            for i in range(len(match), len(w)):
+                prob *= count[w[: i + 1]][0] / count[w[:i]][0]
+            if prob >= min_prob:
+                below.append((-prob, len(w) - len(match), w[len(match) :]))
+    kept = sorted(below)[:limit]
+    breadth_first = sorted(kept, key=lambda node: node[1])
+    number = {(): 0} | {path: j for j, (_, _, path) in enumerate(breadth_first, start=1)}
+    return ([path[-1] for _, _, path in breadth_first], [number[path[:-1]] for _, _, path in breadth_first],
+            sum(-p for p, _, _ in kept))
+
+
+def reference_tree_drafts(own: list[int], cached: list[list[int]], depth: int, k: int, factor: float,
+                          min_prob: float) -> tuple[list[int], list[int]]:
+    """`reference_drafts` with speculation trees: (tokens, parents) of the best-scoring (tree, m)."""
+    best, best_score = ([], []), 0.0
+    for sources in ([own], cached):
+        count = brute_force(sources, depth)
+        for m in range(min(len(own), depth - 1), 0, -1):
+            match = tuple(own[len(own) - m :])
+            if match not in count:
+                continue
+            tokens, parents, score = reference_tree(sources, match, depth, min(k, math.floor(m * factor + 1e-6)),
+                                                    min_prob)
+            if score > best_score:
+                best, best_score = (tokens, parents), score
+    return best
+
+
+def test_speculation_tree_takes_nodes_best_first():
+    """Below [1] in 1 2 5 1 2 6 1 3 7 1 2 5: 2 (3/4), 2 5 (1/2), then four at 1/4: 3, 2 6 and 3 7 (depth 2: the
+    smaller tokens first), 2 5 1; nodes breadth-first, each parent before its children."""
+    tree = LinkedSuffixTree(24)
+    tree.extend([1, 2, 5, 1, 2, 6, 1, 3, 7, 1, 2, 5])
+    node = tree.children[1]  # the root's child 1: key 0 << 32 | 1
+    for limit, min_prob, want in [(5, 0.2, ([2, 3, 5, 6, 7], [0, 0, 1, 1, 2], 2.0)),
+                                  (3, 0.2, ([2, 3, 5], [0, 0, 1], 1.5)),
+                                  (5, 0.3, ([2, 5], [0, 1], 1.25)),
+                                  (8, 0.0, ([2, 3, 5, 6, 7, 1, 1, 1], [0, 0, 1, 1, 2, 3, 4, 5], 2.75)),
+                                  (0, 0.0, ([], [], 0.0))]:
+        assert tree.speculation_tree(node, limit, min_prob) == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(sequences=st.lists(seqs, min_size=1, max_size=4), removed=st.lists(st.integers(0, 3), max_size=2),
+       depth=st.integers(1, 5), limit=st.integers(0, 8), min_prob=st.sampled_from([0.0, 0.1, 0.3]))
+def test_speculation_trees_equal_the_brute_force_reference(sequences, removed, depth, limit, min_prob):
+    """Below every string of a tree grown token by token, one built at once, and a global tree after removals (its
+    children relinked and freed nodes reused)."""
+    extended, built, cached = LinkedSuffixTree(depth), LinkedSuffixTree(depth), CachedOutputsTree(depth)
+    for s in sequences:
+        extended.extend(s)
+        cached.extend(s)
+    built.build(sequences[0])
+    gone = {i % len(sequences) for i in removed}
+    for i in sorted(gone):
+        cached.remove(sequences[i])
+    cached.extend(sequences[0])
+    rest = [s for i, s in enumerate(sequences) if i not in gone] + sequences[:1]
+    for tree, sources in ((extended, sequences), (built, sequences[:1]), (cached, rest)):
+        for match in brute_force(sources, depth):
+            node = 0
+            for token in match:
+                node = tree.children[node << 32 | token]
+            assert tree.speculation_tree(node, limit, min_prob) == reference_tree(sources, match, depth, limit,
+                                                                                  min_prob)
+
+
+def _drafts(proposer, requests: list[Request], emitted: list[list[int]]) -> dict[str, tuple[list[int], list[int]]]:
+    """Per request id: its draft tokens and, from a tree proposer, node 1.. n's parents ([] for a path)."""
+    drafts: Drafts = proposer.propose(_outcome(requests, emitted))
+    out = {r.request_id: ([], []) for r in requests}
+    parents = drafts.tree_parents.tolist() if drafts.tree_parents is not None else [None] * len(drafts.index)
+    for i, row, n, up in zip(drafts.index, drafts.token_ids.tolist(), drafts.num, parents, strict=True):
+        assert up is None or up[0] == -1 and not any(up[n + 1 :])  # nodes past n: parent 0
+        out[requests[i].request_id] = (row[:n], [] if up is None else up[1 : n + 1])
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20), steps=st.lists(seqs, max_size=3),
+       cached=st.lists(seqs, max_size=2), depth=st.integers(1, 6), k=st.integers(1, 6),
+       factor=st.sampled_from([0.5, 1.0, 2.0]), min_prob=st.sampled_from([0.0, 0.1, 0.4]))
+def test_tree_drafts_equal_the_brute_force_reference(prompt, steps, cached, depth, k, factor, min_prob):
+    proposer = _proposer(k, depth, factor=factor, min_prob=min_prob, tree=True)
+    assert proposer.token_tree == OwnTrees(k, k)
+    req, outputs = _request("r", prompt), []
+    for i, emitted in enumerate([[prompt[-1]], *[s for s in steps if s]]):
+        if i < len(cached):
+            proposer.finished.add(f"done{i}", cached[i])
+            outputs.append(cached[i])
+        drafts = _drafts(proposer, [req], [emitted])["r"]
+        req.output_token_ids += emitted
+        assert drafts == reference_tree_drafts(req.all_token_ids, [o for o in outputs if o], depth, k, factor,
+                                               min_prob)
+
+
+@settings(max_examples=100, deadline=None)
+@given(successor=st.lists(st.integers(0, 5), min_size=6, max_size=6), starts=st.lists(st.integers(0, 5), min_size=2,
+       max_size=2), prompt_len=st.integers(1, 15), output_len=st.integers(1, 20), finished_len=st.integers(1, 20),
+       depth=st.integers(2, 8), k=st.integers(1, 6), factor=st.sampled_from([0.5, 1.0, 3.0]),
+       min_prob=st.sampled_from([0.0, 0.1]))
+def test_trees_with_one_child_per_node_are_the_path(successor, starts, prompt_len, output_len, finished_len, depth, k,
+                                                    factor, min_prob):
+    """Text where each token fixes the next (token t is followed by successor[t]) gives every node one child."""
+    def text(start: int, n: int) -> list[int]:
+        out = [start]
+        while len(out) < n:
+            out.append(successor[out[-1]])
+        return out
+
+    request = text(starts[0], prompt_len + output_len)
+    proposers = [_proposer(k, depth, factor=factor, min_prob=min_prob, tree=tree) for tree in (False, True)]
+    reqs = [_request("r", request[:prompt_len]) for _ in proposers]
+    for proposer in proposers:
+        proposer.finished.add("done", text(starts[1], finished_len))
+    for token in request[prompt_len:]:
+        (path, _), (tokens, parents) = (_drafts(p, [r], [[token]])["r"] for p, r in zip(proposers, reqs, strict=True))
+        assert tokens == path and parents == list(range(len(path)))
+        for r in reqs:
+            r.output_token_ids.append(token)
 
 
 @settings(max_examples=200, deadline=None)
@@ -224,6 +361,12 @@ def test_config_defaults_and_errors():
         check_speculative_config({"method": "suffix", "suffix_decoding_depth": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
         build_proposer({"method": "suffix", "num_speculative_tokens": 0}, None)
+    assert proposer.token_tree is None  # a path, vLLM's behaviour, unless suffix_decoding_tree
+    assert build_proposer({"method": "suffix", "suffix_decoding_tree": True}, None).token_tree == OwnTrees(24, 24)
+    with pytest.raises(ValueError, match=r"speculative_config\['suffix_decoding_tree'\] must be True or False"):
+        check_speculative_config({"method": "suffix", "suffix_decoding_tree": 1})
+    with pytest.raises(ValueError, match="num_speculative_tokens .* must be <= 62, got 63"):
+        build_proposer({"method": "suffix", "suffix_decoding_tree": True, "suffix_decoding_max_tree_depth": 63}, None)
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -233,14 +376,21 @@ KNOBS = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens
 SPEC = {"method": "suffix", "num_speculative_tokens": 3}
 
 
-def test_greedy_identical_under_chunked_prefill_preemption_and_prefix_caching(tiny_checkpoint):
+TREES = {"suffix_decoding_tree": True}
+TREE_KNOBS = KNOBS | dict(attention_backend="torch_ref")  # attention that masks a token tree
+
+
+@pytest.mark.parametrize("trees", [False, True], ids=["path", "tree"])
+def test_greedy_identical_under_chunked_prefill_preemption_and_prefix_caching(tiny_checkpoint, trees):
     path = str(tiny_checkpoint("llama"))
+    knobs = TREE_KNOBS if trees else KNOBS
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    base = LLM(path, **KNOBS)
+    base = LLM(path, **knobs)
     prompts = _repetitive_prompts(base.engine.info.vocab_size)
     prompts += [prompts[0], prompts[3]]  # repeats: prefix-cache hits, and the global tree drafts from their outputs
     want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
-    spec = LLM(path, **KNOBS, speculative_config=SPEC)
+    bushy = {"suffix_decoding_max_spec_factor": 4.0}  # a 1-token match drafts up to k nodes: ~1 in 10 trees branch
+    spec = LLM(path, **knobs, speculative_config=SPEC | TREES | bushy if trees else SPEC)
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     drafted = sum(o.metrics.num_draft_tokens for o in outs)
@@ -272,3 +422,44 @@ def test_seeded_sampling_is_the_same_with_async_scheduling_and_whatever_the_batc
     for i in random.Random(0).sample(range(len(prompts)), 3):
         one = llm.generate([prompts[i]], [params[i]], use_tqdm=False)[0]
         assert one.outputs[0].token_ids == batch[i].outputs[0].token_ids
+
+
+def test_a_tree_of_the_paths_siblings_accepts_more(tiny_checkpoint):
+    """Depth 2 matches one token and drafts its successors seen so far: the path the most frequent one, the tree (k,
+    factor 4) up to 4 of them, that one first. Each verification accepts at most one draft, so a request's accepted
+    drafts are the most non-adjacent positions found by scanning the positions a draft hits; the tree hits wherever
+    the path does (the same text, no global tree), and more where the tiny model's greedy text revisits a token with
+    another successor (its outputs branch: 158 is followed by 158, 212, 72 and 175 in the first)."""
+    path = str(tiny_checkpoint("llama"))
+    knobs = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=6, max_model_len=64,
+                 attention_backend="torch_ref")  # no token budget or KV pressure: each request's drafts all verified
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = _repetitive_prompts(LLM(path, **knobs).engine.info.vocab_size)
+    fan = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 2,
+           "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 4.0}
+    chain, tree = (LLM(path, **knobs, speculative_config=config).generate(prompts, params, use_tqdm=False)
+                   for config in (fan, fan | TREES))
+    assert [o.outputs[0].token_ids for o in tree] == [o.outputs[0].token_ids for o in chain]
+    accepted = [[o.metrics.num_accepted_tokens for o in outs] for outs in (chain, tree)]
+    assert all(t >= c for c, t in zip(*accepted, strict=True)) and sum(accepted[1]) > sum(accepted[0]), accepted
+
+
+def test_seeded_sampling_with_trees_does_not_depend_on_the_batch(tiny_checkpoint):
+    """Sampled requests (temperature 0.1: the tiny model's text repeats enough to accept) verify their trees by the
+    multi-draft rule, greedy ones by the argmax rule, with async scheduling on or off; a request alone gets its tokens
+    in the batch."""
+    path = str(tiny_checkpoint("llama"))
+    knobs = TREE_KNOBS | dict(num_gpu_blocks=64, enable_prefix_caching=True)
+    prompts = _repetitive_prompts(LLM(path, **knobs).engine.info.vocab_size)
+    params = [SamplingParams(temperature=0.1 if i % 2 else 0.0, seed=i, max_tokens=30, ignore_eos=True)
+              for i in range(len(prompts))]
+    spec = SPEC | TREES | {"num_speculative_tokens": 4, "suffix_decoding_max_cached_requests": 0,
+                           "suffix_decoding_max_spec_factor": 4.0, "suffix_decoding_min_token_prob": 0.0}
+    llm = LLM(path, **knobs, speculative_config=spec)
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_accepted_tokens for o in batch[1::2]) > 0
+    for i in range(len(prompts)):
+        one = llm.generate([prompts[i]], [params[i]], use_tqdm=False)[0]
+        assert one.outputs[0].token_ids == batch[i].outputs[0].token_ids
+    got = LLM(path, **knobs, async_scheduling=True, speculative_config=spec).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in batch]
