@@ -79,6 +79,10 @@ class EngineConfig:
     # Bound of every collective between ranks (tensor or expert parallelism): a rank that died or hangs ends the
     # others' runs with RankLostError after at most this long
     distributed_timeout_s: float = 300.0
+    # Acceptance replay, never on by default: a profile's path or dict (research_lm/worker/acceptance_replay.py).
+    # Every verify step runs for real, then each request keeps the number of drafts the profile replays: time is
+    # real, acceptance is the profile's, the outputs mean nothing (each RequestOutput says so).
+    acceptance_replay: str | dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
 
     def model_extra(self) -> dict[str, Any]:
@@ -94,6 +98,7 @@ class EngineConfig:
             from research_lm.worker.spec import check_speculative_config
 
             check_speculative_config(self.speculative_config)
+        self._check_acceptance_replay()
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
@@ -118,6 +123,17 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), got {self.num_gpu_blocks}")
+
+    def _check_acceptance_replay(self) -> None:
+        """A replay needs drafts to replay; its profile is read and checked before any weights load."""
+        if self.acceptance_replay is None:
+            return
+        if not self.speculative_config:
+            raise ValueError("acceptance_replay replays how many drafts each verify step accepts: it needs a "
+                             "speculative_config")
+        from research_lm.worker.acceptance_replay import load_profile
+
+        load_profile(self.acceptance_replay)
 
     def _check_batch_invariant(self) -> None:
         """What no model can make batch-invariant; the engine refuses backends and layers when it builds them."""

@@ -90,6 +90,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why this request failed alone (e.g. prompt longer than max_model_len)
+    # The profile's source where the engine replays acceptance (EngineConfig.acceptance_replay): then the tokens are
+    # not the model's output, only their count and timing mean anything
+    acceptance_replayed: str | None = None
 
 
 def merge_completions(children: list[RequestOutput]) -> RequestOutput:

@@ -24,6 +24,7 @@ from research_lm.engine.stop_strings import StopStrings
 from research_lm.eplb.controller import build_eplb_controller
 from research_lm.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
 from research_lm.ops import set_batch_invariant, set_fused_ops
+from research_lm.worker.acceptance_replay import AcceptanceReplay, load_profile
 from research_lm.worker.pending_step import PendingStep
 from research_lm.worker.rng import mix_seed
 from research_lm.worker.runner import ModelRunner
@@ -90,10 +91,12 @@ class LLMEngine:
             from research_lm.ops.batch_invariant import check_batch_invariant
 
             check_batch_invariant(models)
+        self.acceptance_replay = self._acceptance_replay(proposer, device)
         self.runner = ModelRunner(
             self.model, device=device, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             vocab_size=self.info.vocab_size, proposer=proposer, compile=config.compile,
+            acceptance_replay=self.acceptance_replay,
         )
         # Per-request state (Mamba) summarizes the whole prefix: cached KV blocks cannot restore it, and
         # rejected draft tokens cannot be taken back out of it. Prefix caching goes off, drafting is refused.
@@ -137,6 +140,18 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rejected: list[Request] = []  # failed validation: reported at the next step
         self._prompt_text: dict[str, str] = {}  # request id -> the prompt string, when one was given
+
+    def _acceptance_replay(self, proposer, device: torch.device) -> AcceptanceReplay | None:
+        """The replay of `acceptance_replay`'s profile (a chain's k drafts at most), announced in the log."""
+        if self.config.acceptance_replay is None:
+            return None
+        if proposer.token_tree is not None:
+            raise ValueError("acceptance_replay replays chains only: drop the token tree (speculative_token_tree, "
+                             "topk, suffix_decoding_tree) or the replay")
+        replay = AcceptanceReplay(load_profile(self.config.acceptance_replay), proposer.num_speculative_tokens, device)
+        logger.warning("acceptance is replayed from %r: verify steps keep the profile's draft counts, so the outputs "
+                       "are not the model's; only timing and counts mean anything", replay.source)
+        return replay
 
     def _resolve_async_scheduling(self, asked: bool | None, device: torch.device) -> bool:
         """Expert parallelism alone runs synchronously; tensor parallelism launches ahead too (the ranks agree on
@@ -364,4 +379,5 @@ class LLMEngine:
             request_id=req.request_id, prompt=self._prompt_text.pop(req.request_id, None),
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=[completion], finished=True, metrics=metrics, error=req.error,
+            acceptance_replayed=self.acceptance_replay.source if self.acceptance_replay is not None else None,
         )

@@ -29,6 +29,7 @@ from research_lm.harness.loggers import get_logger
 from research_lm.harness.report import describe_head
 from research_lm.harness.spec_notes import SPEC_HEAD_PRESETS, head_record, quick_head_note, speculation_note
 from research_lm.harness.workloads import WorkloadSpec, build_workload
+from research_lm.worker.acceptance_replay import AcceptanceProfile, expected_tau, profile_from_steps, write_profile
 from research_lm.worker.token_tree import TokenTree
 
 # Tasks registered here, and by modules imported when first asked for (their import registers them).
@@ -211,7 +212,12 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         host_threads=r.get("host_threads"), tensor_parallel_size=r.get("tensor_parallel_size", 1),
         distributed_timeout_s=r.get("distributed_timeout_s", 300.0),
         load_format=m.get("load_format", "auto"),
+        acceptance_replay=_container(cfg.get("acceptance_replay")),
     )
+
+
+def _container(x: Any) -> Any:
+    return OmegaConf.to_container(x, resolve=True) if isinstance(x, DictConfig) else x
 
 
 def _list_or_none(x: Any) -> list[int] | None:
@@ -223,19 +229,26 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
     """Run the workload through the engine (arriving all at once, or at `workload.request_rate`); with a
     `baseline:` block, run the same workload again on the baseline config and report the ratios.
     Writes results.json, env.json and samples.jsonl (token ids included)."""
+    check_acceptance_options(cfg)
     cfg, head = with_spec_head(cfg, run_dir)
-    main = run_workload(cfg, run_dir, logger=logger)
+    main = run_workload(cfg, run_dir, logger=logger, record_acceptance=bool(cfg.get("record_acceptance")))
     summary = dict(main["summary"])
     baseline = None
     if cfg.get("baseline"):
         print("baseline: " + json.dumps(OmegaConf.to_container(cfg.baseline, resolve=True)), flush=True)
         baseline = run_workload(baseline_config(cfg), run_dir / "baseline")
         summary.update(compare_to_baseline(main, baseline))
+    replayed = [s["acceptance"] for s in (summary, baseline and baseline["summary"]) if s and "acceptance" in s]
+    if replayed and "outputs_match_baseline" in summary:  # a replayed run's tokens are not the model's
+        summary["outputs_match_baseline"] = None
     # strings derived from timings stay out of `summary`: reproduce compares its untimed keys exactly
     tree = cfg.spec.get("speculative_token_tree")  # a token tree: tau is bounded by its depth + 1
     k = (TokenTree.parse(OmegaConf.to_container(tree)).depth if tree
          else int(cfg.spec.get("num_speculative_tokens") or 0))
     notes = [n for n in (quick_head_note(head), speculation_note(summary, k, cfg.spec.get("method"))) if n]
+    if replayed:
+        notes.append(f"acceptance {replayed[0]}: the outputs are not the model's, so outputs_match_baseline is null "
+                     "and samples.jsonl holds tokens chosen by the replay; the times and counts are real")
     results = {
         "summary": summary,
         "spec_head": head,
@@ -250,6 +263,9 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
             "overrides": OmegaConf.to_container(cfg.baseline, resolve=True)},
         "env": environment(main["device"]),
     }
+    if main["acceptance_profile"] is not None:
+        results["acceptance_profile"] = str(write_profile(main["acceptance_profile"],
+                                                          run_dir / "acceptance_profile.json"))
     (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     (run_dir / "env.json").write_text(json.dumps(results["env"], indent=2) + "\n")
     write_samples(run_dir / "samples.jsonl", main["outputs"])
@@ -257,6 +273,29 @@ def generate(cfg: DictConfig, run_dir: Path, logger) -> dict[str, Any]:
         write_samples(run_dir / "baseline" / "samples.jsonl", baseline["outputs"])
     print_table(summary, run_dir, ([f"head: {describe_head(head)}"] if head else []) + [f"note: {n}" for n in notes])
     return results
+
+
+def check_acceptance_options(cfg: DictConfig) -> None:
+    """`record_acceptance` records a real run's acceptance: it needs drafts, and refuses a replayed run."""
+    if not cfg.get("record_acceptance"):
+        return
+    if not cfg.spec.get("method"):
+        raise ValueError("record_acceptance=true records the acceptance of drafts: choose a spec method")
+    if cfg.get("acceptance_replay") is not None:
+        raise ValueError("record_acceptance=true records a real run's acceptance; this run replays a profile "
+                         "(acceptance_replay): drop one")
+
+
+def recorded_profile(metrics: AcceptanceMetrics, outputs: list, k: int, source: str) -> AcceptanceProfile | None:
+    """The run's acceptance profile: per-position conditional rates over every request's verify steps, and the
+    trace of the first request (prompt order) that verified drafts; None (said on stdout) where none did."""
+    traces = metrics.traces or {}
+    steps = [step for trace in traces.values() for step in trace]
+    if not steps:
+        print("record_acceptance: the run verified no drafts; no acceptance_profile.json", flush=True)
+        return None
+    first = next(traces[o.request_id] for o in outputs if o is not None and traces.get(o.request_id))
+    return profile_from_steps(steps, k, source, trace=first)
 
 
 def with_spec_head(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict[str, Any] | None]:
@@ -304,16 +343,18 @@ def with_spec_head(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict[str
 WARMUP_MAX_TOKENS = 16  # warm-up requests are cut to this many output tokens
 
 
-def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
+def run_workload(cfg: DictConfig, run_dir: Path, logger=None, record_acceptance: bool = False) -> dict[str, Any]:
     """Build the engine and the workload of `cfg`, serve it once (after `warmup_requests` discarded
-    requests) and return the summary, the outputs and what identifies the model and the requests."""
+    requests) and return the summary, the outputs and what identifies the model and the requests;
+    `record_acceptance`: also the run's acceptance profile (`recorded_profile`)."""
     model_dir = prepare_model(cfg, run_dir)
     config = engine_config(cfg)
     if model_dir is not None:
         config.model = str(model_dir)
     llm = LLM(**vars(config))
     engine = llm.engine
-    engine.metrics = AcceptanceMetrics()  # + per-position acceptance and tau, when drafts are verified
+    # + per-position acceptance and tau, when drafts are verified (and each request's steps, to record them)
+    engine.metrics = AcceptanceMetrics(traces={} if record_acceptance else None)
     w = OmegaConf.to_container(cfg.workload, resolve=True)
     w = {k: tuple(v) if isinstance(v, list) else v for k, v in w.items()}
     workload = build_workload(WorkloadSpec(**w), engine.info.vocab_size)
@@ -330,6 +371,14 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
         for step in metrics.steps:
             logger.log(step, step=step["step"])
     summary = metrics.summary()
+    replay, profile = engine.acceptance_replay, None
+    k = engine.runner.proposer.num_speculative_tokens if engine.runner.proposer is not None else 0
+    if replay is not None:  # marks the run; the tau the profile predicts, beside the measured one
+        summary["acceptance"] = f"replayed({replay.source})"
+        summary["acceptance_replay_expected_tau"] = expected_tau(replay.profile, k)
+    if record_acceptance:
+        profile = recorded_profile(metrics, outputs, k, f"{run_dir} ({cfg.spec.method}, k={k}, model {cfg.model.name}, "
+                                                        f"workload {cfg.workload.kind})")
     summary.update(decode_step_stats(metrics.steps))
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     if summary.get("decode_step_ms_median"):  # the weights are read once per decode step, at least
@@ -356,6 +405,7 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None) -> dict[str, Any]:
     return {
         "summary": summary,
         "outputs": outputs,
+        "acceptance_profile": profile,
         "eplb": eplb,
         "device": info.device,
         "model": {"path": info.path, "dtype": str(info.dtype), "num_kv_blocks": engine.num_blocks,
@@ -446,16 +496,23 @@ class AcceptanceMetrics(EngineMetrics):
     num_accepted: int = 0
     num_evaluated: int = 0  # drafts the target judged: up to and including the first rejection
     verifications_with_k: dict[int, int] = field(default_factory=dict)  # k -> verifications with k drafts
+    # request id -> its verify steps' [real drafts, accepted], in order; None: not recorded
+    traces: dict[str, list[list[int]]] | None = None
 
     def reset(self) -> None:
         super().reset()
         self.drafted_at, self.accepted_at = [], []
         self.num_verifications = self.num_accepted = self.num_evaluated = 0
         self.verifications_with_k = {}
+        self.traces = None if self.traces is None else {}
 
     def record_step(self, sched, out, stats, seconds) -> None:
         super().record_step(sched, out, stats, seconds)
         self.record_acceptance(out.num_draft_tokens or [], out.sampled_token_ids)
+        if self.traces is not None:
+            for req_id, k, emitted in zip(out.req_ids, out.num_draft_tokens or [], out.sampled_token_ids):
+                if k > 0 and emitted:  # as record_acceptance counts a verification
+                    self.traces.setdefault(req_id, []).append([k, min(len(emitted) - 1, k)])
 
     def record_acceptance(self, num_draft_tokens: list[int], emitted_per_request: list[list[int]]) -> None:
         for k, emitted in zip(num_draft_tokens, emitted_per_request):
@@ -514,7 +571,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 def baseline_config(cfg: DictConfig) -> DictConfig:
     """`cfg` with its `baseline:` block applied: `group: option` replaces a config group with that
     option (e.g. `model: random-llama`, `spec: none`); any other key (or a mapping) is merged as an
-    override (e.g. `spec: {num_speculative_tokens: 0}`, `runner: {max_num_seqs: 1}`)."""
+    override (e.g. `spec: {num_speculative_tokens: 0}`, `runner: {max_num_seqs: 1}`). A baseline without a spec
+    method drops `acceptance_replay` (one with drafts keeps it, unless its block sets it)."""
     base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     for key, value in OmegaConf.to_container(cfg.baseline, resolve=False).items():
         option = CONF_DIR / key / f"{value}.yaml" if isinstance(value, str) else None
@@ -526,6 +584,8 @@ def baseline_config(cfg: DictConfig) -> DictConfig:
         else:
             base = OmegaConf.merge(base, {key: value})
     base.baseline = None
+    if base.get("acceptance_replay") is not None and not base.spec.get("method"):
+        base.acceptance_replay = None  # nothing to replay without drafts
     return base
 
 

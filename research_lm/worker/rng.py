@@ -42,6 +42,7 @@ SAMPLE = 0
 ACCEPT = 1
 RECOVER = 2
 DRAFT = 3
+REPLAY = 4  # acceptance replay's per-slot uniforms (research_lm/worker/acceptance_replay.py)
 
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (odd, 2^64 / golden ratio)
 _A, _B, _C = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # key mixing (odd)

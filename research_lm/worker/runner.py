@@ -20,6 +20,7 @@ import torch
 from attention_zoo import CacheLayer
 from research_lm.api.outputs import RunnerOutput, SchedulerOutput
 from research_lm.ops.step_inputs import StepInputWriter
+from research_lm.worker.acceptance_replay import AcceptanceReplay
 from research_lm.worker.buffers import HostIds, StepBuffers
 from research_lm.worker.compilation import compile_forward
 from research_lm.worker.cuda_graphs import (
@@ -58,8 +59,10 @@ class ModelRunner:
         vocab_size: int,
         proposer: Proposer | None = None,
         compile: bool = False,
+        acceptance_replay: AcceptanceReplay | None = None,  # verify steps keep the profile's counts
     ):
         self.model = model
+        self.acceptance_replay = acceptance_replay
         # What eager steps and CUDA-graph captures call: the model, or its torch.compile'd forward.
         self.forward = compile_forward(model) if compile else model
         self.device = device
@@ -187,6 +190,8 @@ class ModelRunner:
         self.state.remove(gone)
         for req_id in gone:
             self.draft_probs.pop(req_id, None)
+        if self.acceptance_replay is not None:
+            self.acceptance_replay.forget(gone)
         if self.proposer is not None and gone:
             self.proposer.on_requests_removed(gone)
         if not sched.scheduled:
@@ -219,7 +224,8 @@ class ModelRunner:
         emitted, num_emitted, _, step.batch, step.sampled, packed, step.packed_rows, path = sample_or_verify(
             inputs, sched.scheduled, logits, greedy_ids, input_ids, verifies=step.verifies, state=self.state,
             sampler=self.sampler, draft_probs=self.draft_probs, vocab_size=self.vocab_size,
-            accepted=graph.accepted if graph is not None else None, tree=self.tree and self.tree.tree)
+            accepted=graph.accepted if graph is not None else None, tree=self.tree and self.tree.tree,
+            replay=self.acceptance_replay)
         taps = self.taps.values(common.num_tokens) if self.taps is not None else None
         if path is not None:  # a token tree's accepted paths, moved to where a chain's would be
             self.tree.compact(path, inputs, [hidden, *(taps or [])], logits, step.batch)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from research_lm.worker.acceptance_replay import AcceptanceReplay, StepReplay
 from research_lm.worker.request_state import RequestState
 from research_lm.worker.rng import to_device
 from research_lm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow, TokenHistory, plain_greedy
@@ -30,12 +31,12 @@ class StepTokens(NamedTuple):
 def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy_ids: torch.Tensor | None,
                      input_ids: torch.Tensor, *, verifies: bool, state: RequestState, sampler: Sampler,
                      draft_probs: dict[str, torch.Tensor], vocab_size: int, accepted: torch.Tensor | None = None,
-                     tree: DeviceTree | None = None) -> StepTokens:
+                     tree: DeviceTree | None = None, replay: AcceptanceReplay | None = None) -> StepTokens:
     """Sample each sampling request's next token, or verify its drafts (`verifies`). accepted: the verify graph's
     greedy acceptance (`GraphStep.accepted`), taken as it is where every request is a plain-greedy verify of the
-    graph's q tokens."""
+    graph's q tokens (not under acceptance `replay`, whose counts replace the verification's)."""
     n, sampling, device = len(scheduled), inputs.sampling, logits.device
-    if verifies and accepted is not None and _graph_accepts(inputs, scheduled):
+    if verifies and accepted is not None and replay is None and _graph_accepts(inputs, scheduled):
         (b, q), t = inputs.graph_key, inputs.graph_key[0] * inputs.graph_key[1]
         return StepTokens(accepted[:t].view(b, q)[:n], accepted[t : t + n], accepted[t + b : t + b + n], None, None,
                           accepted, b)
@@ -58,7 +59,8 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
     emitted, num_emitted, num_real, path = verify_drafts(
         scheduled, sampling, inputs.common.query_start_loc_cpu.numpy(), logits, greedy_ids, input_ids,
         state.num_drafts[table_rows], batch, draft_probs,
-        tree and RequestTrees(*tree.of_rows(table_rows.long()), max_depth=tree.depth))
+        tree and RequestTrees(*tree.of_rows(table_rows.long()), max_depth=tree.depth),
+        replay and StepReplay(replay, state.num_tokens[table_rows]))
     if index is not None:
         emitted = torch.full((n, emitted.shape[1]), -1, dtype=torch.int64, device=device).index_copy_(0, index, emitted)
         num_emitted = torch.zeros(n, dtype=torch.int32, device=device).index_copy_(0, index, num_emitted)

@@ -7,6 +7,8 @@ argmax only (a decode graph's, when it has it): drafts are accepted while they e
 other step goes through the rejection sampler (`research_lm.worker.rejection_sampler`, vLLM's [B, k+1] rule) over the
 processed target distribution. Logprobs, where asked, are the target's raw ones, from the row that emitted each
 token, as plain sampling returns them; they are read at collect, once the host knows what was emitted.
+Under acceptance replay (research_lm/worker/acceptance_replay.py) a chain's verification runs, then each request keeps
+the number of drafts its profile replays instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from research_lm.api.outputs import ScheduledRequest
 from research_lm.engine.request import Logprob
+from research_lm.worker.acceptance_replay import StepReplay, forge_argmax
 from research_lm.worker.rejection_sampler import rejection_sample
 from research_lm.worker.rng import to_device
 from research_lm.worker.sampler import SamplingBatch, compute_probs, gather_logprobs, logprobs_to_dicts
@@ -45,10 +48,12 @@ def verify_drafts(
     batch: SamplingBatch | None,  # None: every row plain greedy
     draft_probs: dict[str, torch.Tensor],  # request id -> [k, vocab] q of its drafts; verified ones are popped
     tree: RequestTrees | None = None,  # the drafts are token trees' nodes 1..N (research_lm/worker/token_tree.py)
+    replay: StepReplay | None = None,  # acceptance replay (chains only): the counts come from its profile
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per sampling request: emitted tokens [n_s, m] int64 (-1 after the emitted ones), how many [n_s] int32, its
     real drafts verified [n_s] int32, and with a tree the accepted path [n_s, m] (node indices, -1 after), all on
-    the device."""
+    the device. With `replay`, the replayed tokens and counts (`StepReplay.apply`); a uniform step's greedy_ids
+    then hold them too (`forge_argmax`)."""
     device = input_ids.device
     reqs = [scheduled[i] for i in sampling]
     n = len(reqs)
@@ -72,12 +77,28 @@ def verify_drafts(
         num_real = torch.minimum(num_valid.to(torch.int64), d_t).to(torch.int32)
     q = [draft_probs.pop(s.request.request_id, None) for s in reqs]
     if tree is not None:
+        assert replay is None, "acceptance replay verifies chains only (the engine refuses a tree)"
         return _verify_tree(tree, drafts, logits, greedy_ids, target_row_t, num_real, batch, reqs)
+    emitted, num_emitted = _verify_chain(reqs, d, drafts, logits, greedy_ids, target_row_t, num_real, batch, q)
+    if replay is not None:
+        target_row = None if target_row_t is None else target_row_t.view(n, k_max + 1)
+        emitted, num_emitted, count = replay.apply([s.request for s in reqs], d.tolist(), drafts, num_real, emitted,
+                                                   num_emitted, logits, target_row)
+        if greedy_ids is not None and target_row is None:
+            forge_argmax(greedy_ids, emitted, count)
+    return emitted, num_emitted, num_real, None
+
+
+def _verify_chain(reqs: list[ScheduledRequest], d: np.ndarray, drafts: torch.Tensor, logits: torch.Tensor,
+                  greedy_ids: torch.Tensor | None, target_row: torch.Tensor | None, num_real: torch.Tensor,
+                  batch: SamplingBatch | None, q: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance, or the rejection sampler: emitted [n, k + 1] int64 (-1 after), how many [n] int32."""
+    n, k_max = drafts.shape
     if batch is None or batch.plain_argmax:
         target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
-        target = (target if target_row_t is None else target[target_row_t]).view(n, k_max + 1)
+        target = (target if target_row is None else target[target_row]).view(n, k_max + 1)
         emitted, n_acc = accept_greedily(drafts, target, num_real)
-        return emitted, (n_acc + 1).to(torch.int32), num_real, None
+        return emitted, (n_acc + 1).to(torch.int32)
     q_cat = None
     if any(x is not None for x in q) and all(x is not None for x, c in zip(q, d) if c):
         q_cat = torch.cat([x[:c] for x, c in zip(q, d) if c])
@@ -85,7 +106,7 @@ def verify_drafts(
         drafts.contiguous(), compute_probs(logits, batch), q_cat, [s.request.sampling_params.greedy for s in reqs],
         [s.request.seed for s in reqs], [s.request.num_output_tokens for s in reqs], num_drafts=d.tolist(),
         num_valid=num_real)
-    return emitted, (emitted >= 0).sum(dim=1).to(torch.int32), num_real, None
+    return emitted, (emitted >= 0).sum(dim=1).to(torch.int32)
 
 
 def _verify_tree(tree: RequestTrees, drafts: torch.Tensor, logits: torch.Tensor, greedy_ids: torch.Tensor | None,

@@ -1,0 +1,236 @@
+"""Acceptance replay: every verify step runs for real, and each request's accepted-draft count comes from a profile.
+
+A real-shaped target with random weights (`load_format=dummy`) accepts almost nothing, so its speculative speed says
+nothing. Replay keeps acceptance and time apart: the draft forwards, the verify forward of k + 1 tokens, sampling, KV
+writes, graphs and async launch all run; only how many drafts each request keeps is decided by an acceptance profile
+(a trained pair's, or a paper's). The outputs are then meaningless; the time per token is real.
+
+A profile is a JSON file (or the same dict):
+
+    {"source": "vLLM #20780 EAGLE-3 Llama-3.1-8B MT-bench K=4",   # free text: where the numbers come from
+     "num_speculative_tokens": k,
+     "per_position": [a_1, ..., a_k],   # a_j = P(draft j accepted | drafts 1 .. j-1 accepted)
+     "trace": [[num_drafts, num_accepted], ...] | null}   # one request's verify steps, in order (optional)
+
+Replayed count n of a request in a verify step (then capped by its real drafts this step):
+- without a trace: n = the leading run of j with u_j < a_j, the u_j counter-based uniforms of the REPLAY stream at
+  (the request's seed, its token count on the device), so a request's counts depend on nothing else in the batch;
+- with a trace: entry c of the trace's num_accepted, c = the request's own verify steps so far (each step that
+  verifies draft slots of it), from the start again after the last entry. Every request replays the same trace.
+A profile of k positions serves a run of k' <= k drafts (its first k' rates: conditional rates truncate exactly);
+k' > k is refused. A run with `record_acceptance=true` (research_lm/harness/experiment.py) writes its own profile:
+the rates measured over all its requests, the trace of its first request.
+
+The request then emits its first n drafts and the target's token at row n (`StepReplay.apply`), all on the device
+without a host sync. Where a "verified" draft graph re-derives acceptance from the verify's argmax rows, those rows
+are rewritten to agree (`forge_argmax`), so drafting behind the verify graph and async launch stay on. Chains only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from research_lm.worker import rng
+from research_lm.worker.rng import to_device
+
+ProfileSpec = str | os.PathLike | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AcceptanceProfile:
+    source: str
+    num_speculative_tokens: int
+    per_position: tuple[float, ...]  # [k] conditional acceptance rates
+    trace: tuple[tuple[int, int], ...] | None = None  # (num_drafts, num_accepted) per verify step, in order
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["per_position"] = list(self.per_position)
+        d["trace"] = None if self.trace is None else [list(s) for s in self.trace]
+        return d
+
+
+def load_profile(spec: ProfileSpec) -> AcceptanceProfile:
+    """A profile from a JSON file's path or from its dict; ValueError naming what is wrong."""
+    if isinstance(spec, str | os.PathLike):
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"acceptance_replay: no profile file at {str(path)!r}")
+        try:
+            spec = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"acceptance_replay: {str(path)!r} is not JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"acceptance_replay must be a profile's path or dict, got {type(spec).__name__}")
+    unknown = set(spec) - {"source", "num_speculative_tokens", "per_position", "trace"}
+    if unknown:
+        raise ValueError(f"acceptance profile: unknown key(s) {sorted(unknown)}")
+    source, k, rates = spec.get("source"), spec.get("num_speculative_tokens"), spec.get("per_position")
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError("acceptance profile: 'source' must say where the numbers come from (a non-empty string)")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"acceptance profile: 'num_speculative_tokens' must be a positive integer, got {k!r}")
+    if (not isinstance(rates, list | tuple) or len(rates) != k
+            or not all(isinstance(a, int | float) and not isinstance(a, bool) and 0.0 <= a <= 1.0 for a in rates)):
+        raise ValueError(f"acceptance profile: 'per_position' must be {k} rates in [0, 1], got {rates!r}")
+    return AcceptanceProfile(source, k, tuple(float(a) for a in rates), _trace(spec.get("trace")))
+
+
+def _trace(trace: Any) -> tuple[tuple[int, int], ...] | None:
+    if trace is None:
+        return None
+    ok = isinstance(trace, list | tuple) and len(trace) > 0 and all(
+        isinstance(s, list | tuple) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+        and 0 <= s[1] <= s[0] and s[0] >= 1 for s in trace)
+    if not ok:
+        raise ValueError("acceptance profile: 'trace' must be null or a non-empty list of [num_drafts, num_accepted] "
+                         "pairs with 0 <= num_accepted <= num_drafts and num_drafts >= 1")
+    return tuple((int(d), int(a)) for d, a in trace)
+
+
+def write_profile(profile: AcceptanceProfile, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    return path
+
+
+def expected_tau(profile: AcceptanceProfile, k: int | None = None) -> float:
+    """Mean tokens per verify step of a request verifying k drafts (default: the profile's k) under the rates:
+    1 + sum_j prod_{i <= j} a_i."""
+    tau, survive = 1.0, 1.0
+    for a in profile.per_position[: k or profile.num_speculative_tokens]:
+        survive *= a
+        tau += survive
+    return tau
+
+
+def profile_from_rates(per_position: Sequence[float], source: str,
+                       trace: Iterable[Sequence[int]] | None = None) -> AcceptanceProfile:
+    """A profile from conditional per-position rates (and a trace), checked as a loaded one."""
+    steps = None if trace is None else [list(s) for s in trace]
+    return load_profile({"source": source, "num_speculative_tokens": len(per_position),
+                         "per_position": list(per_position), "trace": steps})
+
+
+def profile_from_tau(tau: float, k: int, source: str) -> AcceptanceProfile:
+    """A published mean acceptance length tau at k drafts, read as Leviathan et al.'s i.i.d. model: every draft
+    accepted with the same alpha, 1 + alpha + ... + alpha^k = tau. A paper's per-position rates, where it gives
+    them, are better: real acceptance falls with the position."""
+    if not 1.0 <= tau <= k + 1:
+        raise ValueError(f"tau must be in [1, k + 1] = [1, {k + 1}], got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection: tau(alpha) increases with alpha
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**j for j in range(k + 1)) < tau else (lo, mid)
+    return profile_from_rates([(lo + hi) / 2] * k, source)
+
+
+def profile_from_steps(steps: Iterable[Sequence[int]], k: int, source: str,
+                       trace: Iterable[Sequence[int]] | None = None) -> AcceptanceProfile:
+    """The conditional rates measured from verify steps (num_drafts, num_accepted): a_j = steps that accepted draft j
+    / steps that judged it (had it, and accepted drafts 1 .. j-1): their maximum-likelihood estimate; 0 for a
+    position no step judged."""
+    judged, accepted = [0] * k, [0] * k
+    for d, a in steps:
+        for j in range(min(a + 1, d, k)):
+            judged[j] += 1
+            accepted[j] += j < a
+    return profile_from_rates([a / n if n else 0.0 for a, n in zip(accepted, judged)], source, trace)
+
+
+class AcceptanceReplay:
+    """The engine's replay of one profile (module docstring): per verify step, each request's replayed count."""
+
+    def __init__(self, profile: AcceptanceProfile, num_speculative_tokens: int, device: torch.device):
+        if num_speculative_tokens > profile.num_speculative_tokens:
+            raise ValueError(f"acceptance_replay: the profile ({profile.source}) has rates for "
+                             f"{profile.num_speculative_tokens} draft positions; the run drafts "
+                             f"{num_speculative_tokens} (num_speculative_tokens)")
+        self.profile = profile
+        self.source = profile.source
+        self.rates = torch.tensor(profile.per_position[:num_speculative_tokens], dtype=torch.float32, device=device)
+        self._trace = [a for _, a in profile.trace] if profile.trace else None
+        self._cursor: dict[str, int] = {}  # request id -> its verify steps so far (trace mode)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._cursor.pop(request_id, None)
+
+    def counts(
+        self,
+        requests: Sequence[Any],  # the step's sampling requests (engine Request), in batch order
+        num_drafts: Sequence[int],  # [n] draft slots each verifies this step (host)
+        num_tokens: torch.Tensor,  # [n] int on the device: each request's tokens before this step (prompt + outputs)
+        num_real: torch.Tensor,  # [n] int on the device: its real drafts
+    ) -> torch.Tensor:  # [n] int64 on the device: replayed accepted drafts, <= num_real
+        """The replayed counts, without a host sync."""
+        k = max(num_drafts, default=0)
+        if self._trace is not None:
+            replayed = to_device([self._next(r.request_id) if d else 0 for r, d in zip(requests, num_drafts)],
+                                 torch.int64, num_real.device)
+        else:
+            u = rng.uniform_rows([r.seed for r in requests], num_tokens.to(torch.int64), rng.REPLAY, k,
+                                 num_real.device)  # [n, k]: slot j's uniform
+            replayed = (u < self.rates[:k]).long().cumprod(dim=1).sum(dim=1)
+        return torch.minimum(replayed, num_real.to(torch.int64))
+
+    def _next(self, request_id: str) -> int:
+        c = self._cursor.get(request_id, 0)
+        self._cursor[request_id] = c + 1
+        return self._trace[c % len(self._trace)]
+
+
+@dataclass(frozen=True)
+class StepReplay:
+    """One verify step's replay: the engine's `AcceptanceReplay` and each sampling request's token count."""
+
+    replay: AcceptanceReplay
+    num_tokens: torch.Tensor  # [n] int on the device: prompt + outputs before the step
+
+    def apply(
+        self,
+        requests: Sequence[Any],  # the sampling requests (engine Request), in batch order
+        num_drafts: Sequence[int],  # [n] draft slots of each (host)
+        drafts: torch.Tensor,  # [n, k] int64: its draft slots (past num_real: anything)
+        num_real: torch.Tensor,  # [n] int: real drafts
+        emitted: torch.Tensor,  # [n, k + 1] int64: the real verification's tokens, -1 after
+        num_emitted: torch.Tensor,  # [n] int32: how many
+        logits: torch.Tensor,  # [rows, vocab] the step's sampled rows
+        target_row: torch.Tensor | None,  # [n, k + 1] int64: request i's row j among them; None: i * (k + 1) + j
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # emitted [n, k + 1] int64, num_emitted [n] int32, n [n]
+        """Emit the first n replayed drafts, then the target's token at row n: the real verification's where it kept
+        n drafts too, else the argmax of row n with draft n + 1 (where real) excluded, greedy rejection's correction.
+        For a plain-greedy request both are that argmax, so the emitted tokens are the argmax rows 0 .. n of a
+        verify whose drafts 1 .. n were the argmax: what a "verified" draft graph reads (`forge_argmax`)."""
+        n, k = drafts.shape
+        count = self.replay.counts(requests, num_drafts, self.num_tokens, num_real)  # [n] int64
+        if target_row is None:
+            rows = torch.arange(n, device=drafts.device) * (k + 1) + count
+        else:
+            rows = target_row.gather(1, count[:, None])[:, 0]
+        row = logits[rows].float()  # [n, V]: row n of each request
+        rejected = drafts.gather(1, count.clamp(max=k - 1)[:, None]).clamp(0, row.shape[-1] - 1)  # [n, 1]
+        hide = torch.where(count[:, None] < num_real[:, None], float("-inf"), row.gather(1, rejected))
+        corrected = row.scatter(1, rejected, hide).argmax(dim=-1)  # [n]
+        real_last = emitted.gather(1, (num_emitted.long() - 1).clamp(min=0)[:, None])[:, 0]
+        last = torch.where(num_emitted.long() - 1 == count, real_last, corrected)
+        j = torch.arange(k + 1, device=drafts.device)
+        padded = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
+        out = torch.where(j < count[:, None], padded, torch.where(j == count[:, None], last[:, None], -1))
+        return out, (count + 1).to(torch.int32), count
+
+
+def forge_argmax(greedy_ids: torch.Tensor, emitted: torch.Tensor, count: torch.Tensor) -> None:
+    """Write the replayed tokens into a uniform verify step's argmax rows 0 .. n of each request (greedy_ids [n * (k +
+    1)] int64, in place), so a "verified" draft graph that re-derives acceptance from (argmax, drafts) finds n and
+    enters the emitted tokens (spec_decode/draft_graphs.py). The later rows keep the real argmax."""
+    n, m = emitted.shape
+    view = greedy_ids.view(n, m)
+    view.copy_(torch.where(torch.arange(m, device=emitted.device) <= count[:, None], emitted, view))
