@@ -226,7 +226,8 @@ def test_the_engine_refuses_a_backend_that_cannot(kernels_on_cpu):
                     r"for mla layers: none"),
 ])
 def test_moe_and_mla_are_refused(name, message, tiny_checkpoint):
-    model, _ = load_model(tiny_checkpoint(name), device="cpu", dtype=torch.float32, attention_backend="triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # triton runs on CPU only under the interpreter
+    model, _ = load_model(tiny_checkpoint(name), device=device, dtype=torch.float32, attention_backend="triton")
     with pytest.raises(ValueError, match=message):
         bi.check_batch_invariant([model])
 
