@@ -77,6 +77,10 @@ TINY_MODELS: dict[str, TinyModel] = {
     # B/C group, like Mamba2-2.7B and Bamba-9B (transformers < 5.2x normalizes the gated norm over all groups).
     "mamba2": TinyModel("Mamba2Config", dict(
         num_heads=8, head_dim=16, expand=2, n_groups=1, state_size=16, conv_kernel=4, chunk_size=8)),
+    # Two B/C groups (tensor parallelism: a group per rank at N = 2, a group split over 2 ranks at N = 4); not for
+    # transformers parity, whose gated norm is over all groups (above)
+    "mamba2-groups": TinyModel("Mamba2Config", dict(
+        num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8)),
     # Bamba: Mamba2 layers 0 and 2, attention (half-rotary GQA) at layer 1, a SwiGLU MLP in every layer
     "bamba": TinyModel("BambaConfig", dict(
         num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,

@@ -4,6 +4,8 @@
 RoPE on the first half of each head (`partial_rotary_factor` 0.5), served by `build.attention_backend`
 — or "linear_attention" — the Mamba2 mixer of `models.mamba2`, served by `build.extra["mamba_backend"]`.
 The runner allocates both caches (paged KV blocks, per-request state slots) from one budget.
+Tensor parallelism (`build.tp`): the attention layers and MLPs split as Llama's, the Mamba2 mixers as
+`models.mamba2` describes (SSM heads, B/C groups), the embedding and LM head by vocabulary rows.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def bamba_mixer_config(hf: PretrainedConfig) -> Mamba2MixerConfig:
         n_groups=hf.mamba_n_groups, state_size=hf.mamba_d_state, conv_kernel=hf.mamba_d_conv,
         chunk_size=hf.mamba_chunk_size, conv_bias=hf.mamba_conv_bias, proj_bias=hf.mamba_proj_bias,
         norm_eps=hf.rms_norm_eps, time_step_limit=time_step_limit(hf.time_step_limit), activation=hf.hidden_act,
+        heads_field="mamba_n_heads", groups_field="mamba_n_groups",
     )
 
 
@@ -47,7 +50,8 @@ class BambaDecoderLayer(nn.Module):
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
         self.pre_ff_layernorm = RMSNorm(hidden, eps)
-        self.feed_forward = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act, hf_config.mlp_bias)
+        self.feed_forward = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act, hf_config.mlp_bias,
+                                     build.tp)
         self.is_mamba = layer_type == "linear_attention"
         if self.is_mamba:
             self.mamba = Mamba2Mixer(bamba_mixer_config(hf_config), build)
@@ -80,7 +84,7 @@ class BambaDecoderLayer(nn.Module):
 class BambaModel(nn.Module):
     def __init__(self, hf_config: PretrainedConfig, build: ModelBuildContext):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, build.tp)
         self.rotary_emb = RotaryEmbedding(
             head_size(hf_config), rope_parameters(hf_config), hf_config.max_position_embeddings
         )
@@ -107,7 +111,7 @@ class BambaModel(nn.Module):
 
 @register_model("BambaForCausalLM")
 class BambaForCausalLM(CausalLMShell):
-    tensor_parallel_refusal = "its Mamba2 mixers' SSM heads, B/C groups and gated norm are not split across ranks"
+    tensor_parallel = True  # attention heads, SSM heads, B/C groups, MLP columns and vocabulary split over `build.tp`
 
     def make_backbone(self, hf_config: PretrainedConfig, build: ModelBuildContext) -> nn.Module:
         return BambaModel(hf_config, build)

@@ -15,6 +15,7 @@ the full checkpoint tensor by their loader, and run the collective their split n
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -257,6 +258,26 @@ class Block(NamedTuple):
     size: int
 
 
+def stacked_rows(tensor: torch.Tensor, blocks: list[Block]) -> torch.Tensor:  # [sum(full), ...] -> [sum(size), ...]
+    """This rank's rows of a checkpoint tensor that stacks the blocks' projections on dim 0, in block order: each
+    block's slice, cut from its own projection and concatenated."""
+    full = [b.full for b in blocks]
+    if tensor.shape[0] != sum(full):
+        raise ValueError(f"shape {tuple(tensor.shape)} does not fit a stacked output of {sum(full)} rows")
+    parts = [t.narrow(0, b.start, b.size) for t, b in zip(tensor.split(full), blocks, strict=True)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def stacked_rows_loader(blocks: list[Block]) -> Callable[..., None]:
+    """A `weight_loader` that keeps `stacked_rows(tensor, blocks)` of the checkpoint tensor (for parameters outside
+    the linear layers that split like them: a conv's channels, per-head vectors)."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
+        default_weight_loader(param, stacked_rows(tensor, blocks))
+
+    return load
+
+
 def _column_blocks(sizes: list[int], tp: TensorParallel | None, what: str) -> list[Block]:
     if tp is None:
         return [Block(n, 0, n) for n in sizes]
@@ -281,11 +302,7 @@ class ColumnParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
         """shard_id None: the whole stacked tensor (every block, in order)."""
-        full = [b.full for b in self.blocks]
-        if tensor.shape[0] != sum(full):
-            raise ValueError(f"shape {tuple(tensor.shape)} does not fit a stacked output of {sum(full)} rows")
-        parts = [self._slice(t, b) for t, b in zip(tensor.split(full), self.blocks, strict=True)]
-        default_weight_loader(param, parts[0] if len(parts) == 1 else torch.cat(parts))
+        default_weight_loader(param, stacked_rows(tensor, self.blocks))
 
 
 class RowParallelLinear(Linear):
@@ -357,13 +374,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
                          blocks=[q, kv, kv])
 
 
-def kv_heads_of_rank(num_kv_heads: int, tp: TensorParallel | None) -> tuple[int, int]:
+def kv_heads_of_rank(num_kv_heads: int, tp: TensorParallel | None,
+                     what: str = "num_key_value_heads") -> tuple[int, int]:
     """(how many KV heads this rank holds, the first one's index): num_kv_heads / N of them, or, with fewer KV
-    heads than ranks, the one its query heads read (rank r of N: KV head r * num_kv_heads // N)."""
+    heads than ranks, the one its query heads read (rank r of N: KV head r * num_kv_heads // N). Mamba2's B/C
+    groups split the same way (`what` names the config field in the error)."""
     if tp is None:
         return num_kv_heads, 0
     if num_kv_heads % tp.size and tp.size % num_kv_heads:
-        raise ValueError(f"num_key_value_heads ({num_kv_heads}) neither divides nor is divisible by "
+        raise ValueError(f"{what} ({num_kv_heads}) neither divides nor is divisible by "
                          f"tensor_parallel_size ({tp.size})")
     if num_kv_heads >= tp.size:
         local = num_kv_heads // tp.size

@@ -4,7 +4,10 @@ at N = 4), Qwen3 (q/k norms, async scheduling), Mixtral (experts sharded over th
 split, latent replicated; and its MoE variant), Qwen2-MoE (a dense layer, a gated shared expert), speculative runs
 with an EAGLE-3 head and with a draft model (drafters replicated), and, at N = 2, EAGLE-3 under async scheduling
 with graph-captured target and drafter steps (the CPU stand-in capture), each rank holding only its slice of the
-checkpoint; NCCL on 2 GPUs runs the same with real CUDA graphs (marked gpu).
+checkpoint; NCCL on 2 GPUs runs the same with real CUDA graphs (marked gpu). The state-space models run apart
+(`STATE_SPACE`): Mamba2 with one B/C group (replicated on every rank) and with two (one per rank at N = 2, one split
+over two ranks at N = 4, whose gated norm all-reduces across them), and Bamba (attention + Mamba2 layers), each
+rank's state slots holding only its SSM heads.
 
 Exact and meaningful: a row-parallel all-reduce sums the same products in another order, so logits move by float32
 rounding (~1e-6) and a near-tie could flip a greedy token without any bug. The single-process reference therefore
@@ -59,6 +62,13 @@ def _cases(tiny_checkpoint, tmp_path: Path, world: int) -> dict[str, dict]:
     }
 
 
+STATE_SPACE = ("mamba2", "mamba2-groups", "bamba")
+
+
+def _state_space_cases(tiny_checkpoint, tmp_path: Path, world: int) -> dict[str, dict]:
+    return {name: dict(model=str(tiny_checkpoint(name))) for name in STATE_SPACE}
+
+
 def _llm(case: dict, **knobs) -> LLM:
     """The case's LLM; with "graphs", its target and drafter steps captured (and its steps that drafted at launch
     counted: an EAGLE verify step under graphs drafts on the device, behind its verification)."""
@@ -109,15 +119,51 @@ def _lead(logprobs: dict) -> float:
     return best[0] - best[1]
 
 
+def _layer0(model: torch.nn.Module) -> torch.nn.Module:
+    """Layer 0's attention, or its Mamba2 mixer."""
+    layer = getattr(model, model.backbone_attr).layers[0]
+    return getattr(layer, "self_attn", None) or getattr(layer, "mixer", None) or layer.mamba
+
+
+def _heads(llm: LLM) -> dict:
+    """Layer 0's heads on this rank (attention or SSM), and the per-rank cache sizes."""
+    layer = _layer0(llm.engine.model)
+    num_heads = layer.num_heads if hasattr(layer, "num_heads") else layer.ssm.spec.num_heads
+    return {"num_heads": num_heads, "page_size_bytes": llm.engine.runner.page_size_bytes(torch.float32)}
+
+
+def _mixer_rows(ref: torch.nn.Module, rank: int, world: int) -> torch.Tensor:
+    """The rows of layer 0's in_proj that rank `rank` must hold: its heads' z, x and dt, the B and C of the
+    groups they read (n_groups / N groups, or the one group of its heads when groups are fewer than ranks)."""
+    cfg = ref.cfg
+    P, N, H, G = cfg.head_dim, cfg.state_size, cfg.num_heads, cfg.n_groups
+    z, x, B, C, dt = ref.in_proj.weight.split([H * P, H * P, G * N, G * N, H])
+    heads = slice(rank * H // world, (rank + 1) * H // world)
+    groups = slice(rank * G // world, rank * G // world + max(G // world, 1))
+
+    def rows(t: torch.Tensor, s: slice, width: int) -> torch.Tensor:
+        return t[s.start * width : s.stop * width]
+
+    return torch.cat([rows(z, heads, P), rows(x, heads, P), rows(B, groups, N), rows(C, groups, N), dt[heads]])
+
+
 def _shards(llm: LLM, case: dict, rank: int, world: int) -> dict:
-    """What this rank holds of layer 0's attention, checked against the checkpoint's full tensors."""
+    """What this rank holds of layer 0's attention or mixer, checked against the checkpoint's full tensors."""
     from research_lm.models import load_model
 
     model = llm.engine.model
     device = llm.engine.info.device
     full = load_model(case["model"], device=device, dtype=torch.float32, attention_backend="torch_ref")[0]
-    attn, ref = model.model.layers[0].self_attn, full.model.layers[0].self_attn
-    if hasattr(attn, "qkv_proj"):  # Llama family: q heads [r H/N, (r+1) H/N), KV head r K / N (replicated if K < N)
+    attn, ref = _layer0(model), _layer0(full)
+    if hasattr(attn, "in_proj"):  # Mamba2: heads [r H/N, (r+1) H/N) and their groups; its state slots only theirs
+        assert torch.equal(attn.in_proj.weight, _mixer_rows(ref, rank, world))
+        heads = slice(rank * ref.cfg.num_heads // world, (rank + 1) * ref.cfg.num_heads // world)
+        assert torch.equal(attn.A_log, ref.A_log[heads]) and torch.equal(attn.D, ref.D[heads])
+        cols = slice(heads.start * ref.cfg.head_dim, heads.stop * ref.cfg.head_dim)
+        assert torch.equal(attn.out_proj.weight, ref.out_proj.weight[:, cols])
+        assert torch.equal(attn.norm.weight, ref.norm.weight[cols])
+        assert attn.ssm.kv_cache[1].shape[1] == heads.stop - heads.start
+    elif hasattr(attn, "qkv_proj"):  # Llama family: q heads [r H/N, (r+1) H/N), KV head r K / N (replicated if K < N)
         hd, heads, kv = ref.head_size, ref.num_heads, ref.num_kv_heads
         q_rows = slice(rank * heads // world * hd, (rank + 1) * heads // world * hd)
         kv_heads = max(kv // world, 1)
@@ -136,7 +182,7 @@ def _shards(llm: LLM, case: dict, rank: int, world: int) -> dict:
     vocab = model.lm_head.weight.shape[0]
     assert vocab * world == full.lm_head.weight.shape[0]
     assert torch.equal(model.lm_head.weight, full.lm_head.weight[rank * vocab : (rank + 1) * vocab])
-    return {"num_heads": attn.num_heads, "page_size_bytes": llm.engine.runner.page_size_bytes(torch.float32)}
+    return _heads(llm)
 
 
 def _worker(rank: int, world: int, port: int, device: str, cases: dict, out_dir: str) -> None:
@@ -164,17 +210,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_tensor_parallel(tiny_checkpoint, tmp_path: Path, world: int, device: str) -> None:
-    cases = _cases(tiny_checkpoint, tmp_path, world)
+def _check_tensor_parallel(tiny_checkpoint, tmp_path: Path, world: int, device: str, make_cases=_cases,
+                           check_caches=None) -> None:
+    """Each rank's tokens, logprobs, heads and draft counts against the single process's; `check_caches(want, got)`
+    checks the cases' cache sizes per rank."""
+    cases = make_cases(tiny_checkpoint, tmp_path, world)
     want = {}
     for name, case in cases.items():
         llm = _llm(case, device=device)
-        want[name] = {**_generate(llm), "num_heads": llm.engine.model.model.layers[0].self_attn.num_heads,
-                      "page_size_bytes": llm.engine.runner.page_size_bytes(torch.float32)}
+        want[name] = {**_generate(llm), **_heads(llm)}
         lead = min((min(x) for x in want[name]["lead"]), default=MARGIN)
         assert lead >= MARGIN, f"{name}: a greedy token leads its runner-up by {lead:.2e} only; change the prompts"
-    assert sum(want["eagle3"]["drafts"]) > 0 and sum(want["draft-model"]["accepted"]) > 0  # drafts verified, kept
-    if world == 2:
+    if "eagle3" in want:  # drafts verified, kept; graphs launching steps that drafted ahead
+        assert sum(want["eagle3"]["drafts"]) > 0 and sum(want["draft-model"]["accepted"]) > 0
+    if "eagle3-graphs-async" in want:
         graphs = want["eagle3-graphs-async"]
         assert graphs["deferred"][0] > 0 and graphs["tokens"] == want["llama"]["tokens"]
     mp.start_processes(_worker, args=(world, _free_port(), device, cases, str(tmp_path)), nprocs=world,
@@ -190,15 +239,30 @@ def _check_tensor_parallel(tiny_checkpoint, tmp_path: Path, world: int, device: 
             assert g["num_heads"] * world == ref["num_heads"], name
             for key in ("drafts", "accepted", "deferred"):
                 assert g[key] == ref[key], (name, key)
-        # the KV cache per rank: Llama's 2 KV heads, one per rank at N = 2, each held by 2 ranks at N = 4; MLA's
-        # whole latent
-        assert got["llama"]["page_size_bytes"] * 2 == want["llama"]["page_size_bytes"]
-        assert got["deepseek-v2"]["page_size_bytes"] == want["deepseek-v2"]["page_size_bytes"]
+        if check_caches is not None:
+            check_caches(want, got)
+
+
+def _transformers_caches(want: dict, got: dict) -> None:
+    """The KV cache per rank: Llama's 2 KV heads, one per rank at N = 2, each held by 2 ranks at N = 4; MLA's whole
+    latent."""
+    assert got["llama"]["page_size_bytes"] * 2 == want["llama"]["page_size_bytes"]
+    assert got["deepseek-v2"]["page_size_bytes"] == want["deepseek-v2"]["page_size_bytes"]
+
+
+def _bamba_caches(want: dict, got: dict) -> None:
+    """Bamba's KV cache (its attention layer) per rank, as Llama's; the SSM state's heads are checked by `_shards`."""
+    assert got["bamba"]["page_size_bytes"] * 2 == want["bamba"]["page_size_bytes"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_single_process(tiny_checkpoint, tmp_path, world):
-    _check_tensor_parallel(tiny_checkpoint, tmp_path, world, "cpu")
+    _check_tensor_parallel(tiny_checkpoint, tmp_path, world, "cpu", check_caches=_transformers_caches)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mamba2_and_bamba_match_single_process(tiny_checkpoint, tmp_path, world):
+    _check_tensor_parallel(tiny_checkpoint, tmp_path, world, "cpu", _state_space_cases, _bamba_caches)
 
 
 @pytest.mark.gpu
@@ -206,4 +270,12 @@ def test_tensor_parallel_matches_single_process(tiny_checkpoint, tmp_path, world
 def test_tensor_parallel_nccl(tiny_checkpoint, tmp_path):
     """The same over NCCL, one GPU per rank, the dense models' steps replayed from CUDA graphs (their all-reduces
     and all-gathers captured)."""
-    _check_tensor_parallel(tiny_checkpoint, tmp_path, 2, "cuda")
+    _check_tensor_parallel(tiny_checkpoint, tmp_path, 2, "cuda", check_caches=_transformers_caches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_mamba2_and_bamba_nccl(tiny_checkpoint, tmp_path):
+    """Mamba2 and Bamba over NCCL on the mamba_triton backend, decodes replayed from CUDA graphs (the gated norm's
+    all-reduce captured)."""
+    _check_tensor_parallel(tiny_checkpoint, tmp_path, 2, "cuda", _state_space_cases, _bamba_caches)

@@ -129,8 +129,13 @@ def _build(name: str, size: int, **overrides):
     ("llama", 2, {"vocab_size": 255}, r"vocab_size \(255\) is not divisible by tensor_parallel_size \(2\)"),
     ("qwen3", 4, {"intermediate_size": 130}, r"intermediate_size \(130\) is not divisible"),
     ("deepseek-v2", 3, {"vocab_size": 258}, r"num_attention_heads \(4\) is not divisible"),
-    ("mamba2", 2, {}, "Mamba2ForCausalLM does not support tensor parallelism .*SSM heads.*tensor_parallel_size=1"),
-    ("bamba", 2, {}, "BambaForCausalLM does not support tensor parallelism"),
+    ("mamba2", 3, {"vocab_size": 258}, r"^num_heads \(8\) is not divisible by tensor_parallel_size \(3\)$"),
+    ("mamba2", 4, {"num_heads": 12, "n_groups": 6, "expand": 3},
+     r"^n_groups \(6\) neither divides nor is divisible by tensor_parallel_size \(4\)$"),
+    ("bamba", 3, {"vocab_size": 258, "intermediate_size": 96},
+     r"^mamba_n_heads \(8\) is not divisible by tensor_parallel_size \(3\)$"),
+    ("bamba", 4, {"mamba_n_heads": 12, "mamba_n_groups": 6, "mamba_expand": 3},
+     r"^mamba_n_groups \(6\) neither divides nor is divisible by tensor_parallel_size \(4\)$"),
 ])
 def test_sizes_that_do_not_split_are_refused(name, size, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -142,3 +147,21 @@ def test_a_model_builds_with_a_share_of_the_heads():
     attn = model.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads, attn.attn.spec.num_heads, attn.attn.spec.num_kv_heads) == (2, 1, 2, 1)
     assert model.lm_head.weight.shape[0] == 128 and model.model.embed_tokens.weight.shape[0] == 128
+
+
+@pytest.mark.parametrize("name,size,heads,groups,split_group", [
+    ("mamba2", 2, 4, 1, True), ("mamba2-groups", 2, 4, 1, False), ("mamba2-groups", 4, 2, 1, True),
+    ("bamba", 4, 2, 1, True),
+])
+def test_a_mamba_mixer_builds_with_a_share_of_the_heads(name, size, heads, groups, split_group):
+    """8 SSM heads of 16, state 16: each rank's in_proj rows (z, x, B, C, dt), conv channels (x, B, C) and state
+    slots hold its heads and the groups they read; the gated norm all-reduces where a group spans ranks."""
+    model = _build(name, size)
+    layer = model.model.layers[0] if name == "bamba" else model.backbone.layers[0]
+    mixer = layer.mamba if name == "bamba" else layer.mixer
+    spec = mixer.ssm.spec
+    assert (spec.num_heads, spec.n_groups, mixer.norm.split_group) == (heads, groups, split_group)
+    xbc = heads * 16 + 2 * groups * 16
+    assert mixer.in_proj.weight.shape[0] == heads * 16 + xbc + heads and mixer.conv1d.weight.shape[0] == xbc
+    assert spec.ssm_state_shape(1) == (1, heads, 16, 16) and spec.conv_state_shape(1) == (1, 3, xbc)
+    assert mixer.out_proj.weight.shape[1] == heads * 16 and mixer.A_log.shape == (heads,)
