@@ -442,6 +442,18 @@ TABLES: dict[str, Table] = {
               "prompts x 128 tokens, greedy; each job also runs the same workload without speculation "
               "(the baseline rows) in the same process, so speedup = output tok/s ratio.",
     ),
+    "spec_transfer_8b_h200": Table(
+        what="speculative decoding on a Llama-3.1-8B shape (random bf16 weights, triton, CUDA graphs) at vLLM "
+             "#20780's published EAGLE-3 acceptance, replayed (issue 30): TPOT, tok/s, speedup, measured vs profile "
+             "tau, draft / verify ms of an EAGLE-3 head and a Llama-3.2-1B draft model of real shapes at batch "
+             "1/8/32/64, k = 3/5 (EAGLE-3 k = 4 at batch 1), beside vLLM's published 1.75x",
+        device="cuda", measured_on="NVIDIA H200",
+        minutes="~7 min (estimate: 6 engines x 3 repeats; + ~1 min writing the drafters' random checkpoints once)",
+        bench="bench_spec_transfer",
+        smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batches", "1", "2",
+               "--tokens", "8", "--requests", "2", "--prompt-len", "16", "--warmup-tokens", "2",
+               "--draft-vocab", "128"),
+    ),
 }
 
 
