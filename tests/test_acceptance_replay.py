@@ -210,3 +210,12 @@ def test_a_recorded_profile_replays_to_the_runs_own_tau(tmp_path):
 def test_harness_refuses_recording_a_replay(tmp_path):
     with pytest.raises(ValueError, match="drop one"):
         _harness(tmp_path, "both", "record_acceptance=true", f"acceptance_replay={tmp_path}/p.json")
+
+
+def test_a_shipped_profile_loads_by_name_and_an_unknown_one_lists_them():
+    from research_lm.worker.acceptance_replay import expected_tau, load_profile
+
+    anchor = load_profile("vllm_eagle3_llama31_8b_mtbench_k4")
+    assert anchor.num_speculative_tokens == 4 and abs(expected_tau(anchor) - 3.08) < 1e-3
+    with pytest.raises(ValueError, match=r"no shipped profile of that name \(shipped: \['vllm_eagle3_llama31_8b"):
+        load_profile("no_such_profile")

@@ -57,12 +57,23 @@ class AcceptanceProfile:
         return d
 
 
+SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "assets" / "profiles"  # <name>.json: published anchors
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_PROFILES.glob("*.json"))
+
+
 def load_profile(spec: ProfileSpec) -> AcceptanceProfile:
-    """A profile from a JSON file's path or from its dict; ValueError naming what is wrong."""
+    """A profile from a JSON file's path, a shipped profile's name (research_lm/assets/profiles/<name>.json) or its
+    dict; ValueError naming what is wrong."""
     if isinstance(spec, str | os.PathLike):
         path = Path(spec)
+        if not path.is_file() and (SHIPPED_PROFILES / f"{spec}.json").is_file():
+            path = SHIPPED_PROFILES / f"{spec}.json"
         if not path.is_file():
-            raise ValueError(f"acceptance_replay: no profile file at {str(path)!r}")
+            raise ValueError(f"acceptance_replay: no profile file at {str(path)!r}, and no shipped profile of that "
+                             f"name (shipped: {shipped_profiles()})")
         try:
             spec = json.loads(path.read_text())
         except json.JSONDecodeError as e:
