@@ -261,3 +261,14 @@ def test_tensor_parallel_tables_run_under_torchrun_and_want_their_gpus(tmp_path,
     monkeypatch.setattr(paper, "cuda_device_count", lambda: 1)
     with pytest.raises(paper.PaperError, match=r"needs 2 CUDA GPUs \(measured on 2 x NVIDIA H200\); 1 found here"):
         paper.resolve("bench_tensor_parallel_70b32l_h200x2")
+
+
+def test_bench_invariant_gemm_compares_the_kernels_and_checks_rows_on_a_cpu(tmp_path):
+    """The invariant GEMM's tuning loop at a tiny shape: every projection at each M, and its first row never moves."""
+    bench = paper.import_bench("bench_invariant_gemm")
+    payload = bench.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--m", "1", "5", "--repeats", "1",
+                          "--out", str(tmp_path)])
+    rows = payload["rows"]
+    assert {r["layer"] for r in rows} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    assert all(r["cublas_us"] > 0 and r["invariant_us"] > 0 and not r["invariant_row_changes"] for r in rows)
+    assert "| down_proj | 64 x 128 | 5 |" in (tmp_path / "bench_invariant_gemm_tiny.md").read_text()
