@@ -2,6 +2,7 @@
 
     python experiments/bench_invariant_gemm.py                      # Llama-3.2-1B's projections, M = 1 / 8 / 64 / 512
     python experiments/bench_invariant_gemm.py --shape llama-3.1-8b --m 1 64
+    python experiments/bench_invariant_gemm.py --sweep              # + the fastest (BLOCK_N, split-K) per cell
     python experiments/bench_invariant_gemm.py --tiny --device cpu  # a smoke run (interpreter)
 
 Each row: one projection [M, K] x [N, K]^T in the shape's dtype, µs per call (median), the invariant kernel's tile,
@@ -31,6 +32,26 @@ def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
             "lm_head": (shape["vocab_size"], h)}
 
 
+SWEEP = [(block_n, split_k) for block_n in (16, 32, 64, 128) for split_k in (1, 2, 4, 8)]
+
+
+def best_config(x: torch.Tensor, weight: torch.Tensor, device: torch.device) -> tuple[str, float]:
+    """--sweep: the fastest (BLOCK_N, SPLIT_K) of SWEEP at this M, keeping linear_config's BLOCK_M and BLOCK_K (a rule
+    for linear_config must then pick one config per (N, K) for every M)."""
+    from dataclasses import replace
+
+    from research_lm.ops.batch_invariant import linear, linear_config
+
+    base = linear_config(*weight.shape, weight.dtype)
+    times = {}
+    for block_n, split_k in SWEEP:
+        c = replace(base, block_n=block_n, split_k=split_k)
+        times[f"{c.block_m}x{block_n}x{c.block_k}/{split_k}"] = gpu_ms(lambda c=c: linear(x, weight, config=c),
+                                                                     device) * 1e3
+    tile = min(times, key=times.get)
+    return tile, times[tile]
+
+
 def measure(args) -> dict[str, Any]:
     from research_lm.ops.batch_invariant import linear, linear_config
 
@@ -49,7 +70,9 @@ def measure(args) -> dict[str, Any]:
             first[m] = (torch.nn.functional.linear(x, weight)[0], linear(x, weight)[0])
             c = linear_config(n, k, dtype)
             rows.append({"layer": layer, "n": n, "k": k, "m": m, "cublas_us": cublas, "invariant_us": invariant,
-                         "ratio": invariant / cublas, "tile": f"{c.block_m}x{c.block_n}x{c.block_k}"})
+                         "ratio": invariant / cublas, "tile": f"{c.block_m}x{c.block_n}x{c.block_k}/{c.split_k}"})
+            if args.sweep:
+                rows[-1]["best_tile"], rows[-1]["best_us"] = best_config(x, weight, device)
         m0 = min(args.m)
         for row in rows[-len(args.m):]:
             row["cublas_row_changes"] = not torch.equal(first[row["m"]][0], first[m0][0])
@@ -62,12 +85,14 @@ def render(payload: dict[str, Any]) -> str:
              f"The batch-invariant GEMM against cuBLAS, {payload['shape_name']} shape, {payload['dtype']}: µs per "
              "call (median of triton's do_bench), and whether the first row's bits change from the smallest M. "
              + repeats_line(payload), "",
-             "| layer | N x K | M | cuBLAS µs | invariant µs | ratio | tile (M x N x K) | cuBLAS row changes | "
-             "invariant row changes |", "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+             "| layer | N x K | M | cuBLAS µs | invariant µs | ratio | tile (M x N x K / split-K) | best of --sweep | "
+             "its µs | cuBLAS row changes | invariant row changes |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- |"]
     for r in payload["rows"]:
         lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['m']} | {cell(r, 'cublas_us', '.1f')} | "
                      f"{cell(r, 'invariant_us', '.1f')} | {cell(r, 'ratio', '.2f')} | {r['tile']} | "
-                     f"{r.get('cublas_row_changes')} | {r.get('invariant_row_changes')} |")
+                     f"{r.get('best_tile', '—')} | {cell(r, 'best_us', '.1f')} | {r.get('cublas_row_changes')} | "
+                     f"{r.get('invariant_row_changes')} |")
     return "\n".join(lines)
 
 
@@ -78,6 +103,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     p.add_argument("--tiny", action="store_true", help="a tiny shape: a smoke run of the code paths")
     p.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 512], help="token counts (rows)")
+    p.add_argument("--sweep", action="store_true", help="also time every (BLOCK_N, SPLIT_K) of SWEEP: the best")
     add_repeat_args(p, default_repeats=1)
     return p
 

@@ -3,8 +3,9 @@
 Why: cuBLAS picks its GEMM kernel (tile shape, split-K) from the problem size, so a token's row of x W^T is
 reduced in an order that depends on how many other rows share the step (decode vs verify vs a prefill chunk,
 batch 1 vs 64). A near-tie of the top two logits then flips a greedy token. `linear` fixes the reduction: its
-tile and K loop come from (N, K, dtype) alone, never from M, and no split-K, so each row's dot products run
-over the same K tiles in the same order whatever else is in the batch (Thinking Machines, "Defeating
+tile, K loop and K split come from (N, K, dtype) alone, never from M (a long K is cut into a fixed number of
+ranges whose fp32 partial sums a second kernel adds in order), so each row's dot products run over the same K
+tiles in the same order whatever else is in the batch (Thinking Machines, "Defeating
 Nondeterminism in LLM Inference", 2025; vLLM's `VLLM_BATCH_INVARIANT`).
 
 The rest of the model path is already row-wise with a fixed config: the Triton RMSNorm (one program per row,
@@ -35,6 +36,8 @@ from research_lm.ops.common import next_power_of_2, round_to
 _TARGET_N_TILES = 128  # output-column tiles aimed at, so a batch-1 step still spreads over many programs
 _MAX_BLOCK_N = 128
 _MIN_BLOCK = 16  # tl.dot's smallest operand side
+_K_PER_SPLIT = 2048  # a K longer than this is split: ceil(K / 2048) partial sums, so K alone sets the splits
+_MAX_SPLIT_K = 8
 
 
 @dataclass(frozen=True)
@@ -42,15 +45,18 @@ class LinearConfig:
     block_m: int  # rows (tokens) per program
     block_n: int  # output columns per program
     block_k: int  # the K step of the reduction
+    split_k: int = 1  # K cut into this many consecutive ranges, their fp32 partial sums added in order
     num_warps: int = 4
     num_stages: int = 3
 
 
 def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
-    """The tile for a [*, k] x [n, k]^T product: from the weight's shape and dtype only, never from M."""
+    """The tile for a [*, k] x [n, k]^T product: from the weight's shape and dtype only, never from M. A long K is
+    split (a fixed count from K alone: a batch-1 step of down_proj otherwise walks K serially on few programs)."""
     block_n = min(_MAX_BLOCK_N, max(_MIN_BLOCK, next_power_of_2(triton.cdiv(n, _TARGET_N_TILES))))
     block_k = min(32 if dtype == torch.float32 else 64, max(_MIN_BLOCK, next_power_of_2(k)))
-    return LinearConfig(block_m=64, block_n=block_n, block_k=block_k)
+    split_k = min(_MAX_SPLIT_K, triton.cdiv(k, _K_PER_SPLIT))
+    return LinearConfig(block_m=64, block_n=block_n, block_k=block_k, split_k=split_k)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xm"], do_not_specialize_on_alignment=["x_ptr", "out_ptr"])
@@ -58,11 +64,13 @@ def _linear_kernel(
     x_ptr,  # [M, K], rows at stride_xm, columns contiguous
     w_ptr,  # [N, K] contiguous
     bias_ptr,  # [N]; unused without HAS_BIAS
-    out_ptr,  # [M, N] contiguous
+    out_ptr,  # [M, N] contiguous: x's dtype, or with SPLIT_K > 1 [SPLIT_K, M, N] fp32 partial sums
     M,
     N,
     K,
     stride_xm,
+    K_PER_SPLIT,  # a multiple of BLOCK_K: program_id(2)'s range of K
+    SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -75,9 +83,10 @@ def _linear_kernel(
     row_valid = rows < M
     col_valid = cols < N
     ks = tl.arange(0, BLOCK_K)
+    k_start = tl.program_id(2) * K_PER_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # one fixed order over K: the row's sum never depends on M
-        k = k0 + ks
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):  # one fixed order over the split's K: never depends on M
+        k = k_start + k0 + ks
         k_valid = k < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_valid[:, None] & k_valid[None, :],
                     other=0.0)
@@ -86,10 +95,35 @@ def _linear_kernel(
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    store = row_valid[:, None] & col_valid[None, :]
+    if SPLIT_K > 1:  # the partial sum, added to the others in order by _sum_splits_kernel
+        tl.store(out_ptr + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :], acc, mask=store)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=store)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _sum_splits_kernel(
+    part_ptr,  # [SPLIT_K, M, N] fp32
+    bias_ptr,  # [N]; unused without HAS_BIAS
+    out_ptr,  # [M, N]
+    numel,  # M * N
+    N,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = ((p_0 + p_1) + ...) + bias, rounded once: the same order for every element, whatever M."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    acc = tl.load(part_ptr + offs, mask=valid, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * numel + offs, mask=valid, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
-    out = round_to(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=row_valid[:, None] & col_valid[None, :])
+        acc += tl.load(bias_ptr + offs % N, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, round_to(acc, out_ptr.dtype.element_ty), mask=valid)
 
 
 def linear(
@@ -111,11 +145,19 @@ def linear(
         return out
     c = config or linear_config(n, k, x.dtype)
     upcast = x.device.type == "cpu" or x.dtype == torch.float32  # CPU: the interpreter (TRITON_INTERPRET=1)
-    _linear_kernel[(triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n))](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0),
+    k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
+    split_k = triton.cdiv(k, k_per_split)  # (a K shorter than split_k tiles has fewer ranges)
+    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else weight
+    _linear_kernel[(triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split_k)](
+        x, weight, bias_arg, target, m, n, k, x.stride(0), k_per_split, SPLIT_K=split_k,
         HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else "tf32", num_warps=c.num_warps, num_stages=c.num_stages,
     )
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, bias_arg, out, m * n, n, SPLIT_K=split_k,
+                                                          HAS_BIAS=bias is not None, BLOCK=block)
     return out
 
 

@@ -73,11 +73,28 @@ def test_a_rows_bits_do_not_depend_on_m_or_the_other_rows(dtype):
         assert torch.equal(bi.linear(x, w, b)[place], alone[0]), (m, place)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_split_k_sums_its_ranges_in_order_whatever_m(dtype):
+    """K cut into 3 ranges (partial sums added in order by a second kernel): F.linear's numbers, and a row's bits
+    the same alone and among others, with and without a bias."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 40, 200
+    config = bi.LinearConfig(block_m=16, block_n=16, block_k=32, split_k=3)
+    w, b = randn((n, k), dtype, gen) * 0.1, randn((n,), dtype, gen)
+    x = randn((37, k), dtype, gen)
+    for bias in (None, b):
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+        assert_matches(bi.linear(x, w, bias, config=config), want)
+        alone = bi.linear(x[20:21], w, bias, config=config)
+        assert torch.equal(bi.linear(x, w, bias, config=config)[20], alone[0])
+
+
 def test_linear_tile_follows_the_weight_only():
     """The tile comes from (N, K, dtype): M is not an argument, and no step's M enters the compile key."""
     assert bi.linear_config(128256, 4096, torch.bfloat16).block_n == 128
     assert bi.linear_config(2048, 2048, torch.bfloat16).block_n == 16
     assert bi.linear_config(64, 20, torch.float32).block_k == 32
+    assert [bi.linear_config(2048, k, torch.bfloat16).split_k for k in (2048, 8192, 14336, 65536)] == [1, 4, 7, 8]
     kernel = bi._linear_kernel
     options = getattr(kernel, "kwargs", None) or {"do_not_specialize": kernel.do_not_specialize}
     assert "M" in list(options["do_not_specialize"])
