@@ -74,6 +74,13 @@
 # the eagle3 batch-8 ablation cell with repeats (see that pass). CPU-tested only since (run `tests` and `trees` first next
 # session): token trees (issue 29: tree masks in the triton kernel, verify graphs reading them, EAGLE / Medusa tree
 # drafting), the adaptive speculation policy, MTP heads (issue 36), RankLostError's one line.
+# Session 25 (2 x H200) ran `tests` at 1159b9d (passed: token trees on a GPU for the first time, static and dynamic) and
+# the batch-invariance GPU tests (passed but one test bug, fixed); its other device time was lost (PERFORMANCE.md,
+# twenty-fourth pass). CPU-tested only since: acceptance replay, suffix trees, Mamba2 / Bamba TP (`tp_mamba` on two
+# GPUs), the split-K invariant GEMM (`bi`). Tables registered and never run: spec_tree_h200, spec_suffix_h200,
+# spec_transfer_8b_h200, ab_issue28_ablation_eagle3_b8_h200, bench_decode_batch_invariant_h200,
+# bench_throughput_batch_invariant_h200 (and spec_mtp_h200 once its DeepSeek reference script lands).
+#   bash experiments/gpu_pending.sh bi | replay | tp_mamba
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
@@ -122,5 +129,21 @@ case ${1:-tests} in
       python experiments/bench_spec_host.py --method eagle3 --batch $b --name bench_spec_host_eagle3_b$b
       python experiments/bench_spec_host.py --method ngram --batch $b --name bench_spec_host_ngram_b$b
     done ;;
+  bi)  # issue 35: the GPU proofs, then the invariant GEMM against cuBLAS with the (BLOCK_N, split-K) sweep, ~3 min
+    python -m pytest tests/test_batch_invariant_gpu.py tests/ops/test_batch_invariant.py -m "gpu or not gpu" \
+      -p no:cacheprovider -rfE -q
+    (cd experiments && python bench_invariant_gemm.py --sweep --out ../outputs/bi_gemm) ;;
+  replay)  # issue 30 item 3: the reference pair's EAGLE-3 at batch 1 recorded, then its own profile replayed, 3 seeds
+    [ -d outputs/reference/target ] || SIDE_BY_SIDE=1 bash experiments/train_reference.sh outputs/reference
+    common="experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf \
+      model.name=outputs/reference/target spec=eagle3 spec.model=outputs/reference/eagle3 spec.num_speculative_tokens=5 \
+      runner.max_num_seqs=1 workload.num_requests=8 workload.max_tokens=128 runner.num_gpu_blocks=4096"
+    python -m research_lm $common record_acceptance=true hydra.run.dir=outputs/replay/recorded
+    python -m research_lm -m $common acceptance_replay=$PWD/outputs/replay/recorded/acceptance_profile.json \
+      seed=0,1,2 hydra.sweep.dir=multirun/replay
+    python -m research_lm -m $common seed=0,1,2 hydra.sweep.dir=multirun/replay_real
+    grep -hE '"(mean_acceptance_length|speedup|tpot_ratio)"' multirun/replay/*/results.json multirun/replay_real/*/results.json ;;
+  tp_mamba)  # issue 33: Mamba2 / Bamba tensor parallelism over NCCL on two GPUs
+    python -m pytest -m gpu tests/models/test_tensor_parallel.py -k "mamba or bamba" -p no:cacheprovider -rfE -q ;;
   *) echo "unknown block $1" >&2; exit 2 ;;
 esac
