@@ -114,6 +114,13 @@ _SPEC_SUFFIX_PARTS = tuple(
     for method in (("spec=ngram",), ("spec=suffix",), ("spec=suffix", "spec.suffix_decoding_tree=true"),
                    ("spec=eagle3", f"spec.model={_REF}/eagle3"))
     for b in (1, 8, 32))
+# spec_mtp_h200: the DeepSeek reference target (experiments/train_reference_mtp.sh) with its MTP layer vs EAGLE-3
+_REF_MTP = "outputs/reference_mtp"
+_SPEC_MTP_PARTS = tuple(
+    (*method, f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
+    for method in (("spec=mtp", "spec.num_speculative_tokens=1"), ("spec=mtp", "spec.num_speculative_tokens=3"),
+                   ("spec=eagle3", f"spec.model={_REF_MTP}/eagle3", "spec.num_speculative_tokens=3"))
+    for b in (1, 8, 32))
 
 def command(name: str) -> str:
     return f"python -m experiments.paper {name}"
@@ -427,6 +434,25 @@ TABLES: dict[str, Table] = {
               "128 output tokens, 3 seeds per cell; each job also runs the workload without speculation in the same "
               "process. workload=agentic: coding-agent sessions that re-emit and edit earlier outputs (conf/workload/"
               "agentic.yaml); code: stdlib code prompts.",
+    ),
+    "spec_mtp_h200": Table(
+        what="DeepSeek MTP (k = 1, 3) vs EAGLE-3 (k = 3), greedy, on the agentic and code workloads, GPU reference "
+             "DeepSeek-V2 target x batch {1,8,32}",
+        device="cuda", measured_on="NVIDIA H200",
+        minutes="~5 min on one GPU (estimate: 54 jobs; + ~12 min training when missing)",
+        sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
+               f"model.name={_REF_MTP}/mtp", "workload=agentic,code", "workload.temperature=0.0",
+               "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
+        parts=_SPEC_MTP_PARTS, prepare=(f"{_REF_MTP}/mtp", ("bash", "experiments/train_reference_mtp.sh", _REF_MTP)),
+        repeat_key="seed", title="DeepSeek MTP vs EAGLE-3 on one DeepSeek-V2 target (GPU)",
+        about="The GPU reference DeepSeek target (experiments/train_reference_mtp.sh: DeepSeek-V2 with MLA, hidden "
+              "192, 24 dense layers, trained like the Llama reference) in its copy with one MTP layer (DeepSeek-V3's "
+              "layout), and an EAGLE-3 head of that target; both drafters trained 3500 steps on the target's own "
+              "greedy continuations (3 per corpus window). MTP drafts k = 1 (what it was trained for) and k = 3 "
+              "(chained, as vLLM's MTP drafter chains one layer); EAGLE-3 k = 3 (ttt_steps 5). Greedy, 8 prompts at "
+              "batch 1 and 4 x batch at 8 and 32, 128 output tokens, 3 seeds per cell; each job also runs the "
+              "workload without speculation in the same process (speedup). attention=triton: mla_triton for the "
+              "target and the MTP layer.",
     ),
     "spec_eagle3_tiny_h200": Table(
         what="EAGLE-3 on the built-in tiny pair: tau, acceptance per position and speedup vs k and batch",
