@@ -40,10 +40,10 @@ for head in "train_eagle3 eagle3 3500 train.head.ttt_steps=5 train.head.intermed
   set -- train.steps=$steps train.eval_every=$steps train.save_every=$steps "$@"
   if [ "$SIDE_BY_SIDE" = 1 ]; then
     CUDA_VISIBLE_DEVICES=$(( i % GPUS )) python -m research_lm experiment=$preset $COMMON $HEADS \
-      train.output_dir=$OUT/$dir "$@" > $OUT/$dir.log 2>&1 &
+      train.output_dir=$OUT/$dir hydra.run.dir=$OUT/runs/$dir "$@" > $OUT/$dir.log 2>&1 &  # own run dir: they start together
     pids+=($!)
   else
-    python -m research_lm experiment=$preset $COMMON $HEADS train.output_dir=$OUT/$dir "$@"
+    python -m research_lm experiment=$preset $COMMON $HEADS train.output_dir=$OUT/$dir hydra.run.dir=$OUT/runs/$dir "$@"
   fi
   i=$(( i + 1 ))
 done
