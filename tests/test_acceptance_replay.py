@@ -219,3 +219,27 @@ def test_a_shipped_profile_loads_by_name_and_an_unknown_one_lists_them():
     assert anchor.num_speculative_tokens == 4 and abs(expected_tau(anchor) - 3.08) < 1e-3
     with pytest.raises(ValueError, match=r"no shipped profile of that name \(shipped: \['vllm_eagle3_llama31_8b"):
         load_profile("no_such_profile")
+
+
+@pytest.mark.gpu
+def test_on_cuda_eagle3_replays_from_graphs_and_launches_ahead():
+    """On CUDA (real verify and draft graphs, async scheduling, bfloat16): EAGLE-3 drafts behind the verify graph
+    under replay, and the replayed counts equal a synchronous float32 engine's, as on CPU: they come from the profile
+    and the device token counts, never from the logits."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts, knobs = PROMPTS[:3], dict(device="cuda", max_model_len=512, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, seed=3)
+    counts = []
+    for extra in (dict(dtype="float32", async_scheduling=False, cuda_graphs=False), dict(dtype="bfloat16")):
+        llm = LLM("tiny-llama", **knobs, **extra, speculative_config=EAGLE3, acceptance_replay=PROFILE)
+        proposer, early = llm.engine.runner.proposer, []
+        propose_on_device = proposer.propose_on_device
+        proposer.propose_on_device = lambda outcome, p=propose_on_device, e=early: e.append(d := p(outcome)) or d
+        llm.engine.metrics = AcceptanceMetrics(traces={})
+        llm.generate(prompts, params, use_tqdm=False)
+        counts.append(llm.engine.metrics.traces)
+    assert counts[0] == counts[1]
+    assert sum(d is not None and d.in_table for d in early) >= 10, "drafted behind the verify graph"

@@ -10,14 +10,17 @@ import torch
 from research_lm import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+PROFILE = {"source": "a test's rates", "num_speculative_tokens": 3, "per_position": [0.8, 0.6, 0.5]}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
-def test_launch_never_syncs_on_cuda(spec):
+@pytest.mark.parametrize("spec, replay", [(None, None), (NGRAM, None), (NGRAM, PROFILE)],
+                         ids=["plain", "ngram", "ngram-replayed"])
+def test_launch_never_syncs_on_cuda(spec, replay):
+    """(With acceptance replay too: its counts are drawn and applied on the device.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    llm = LLM("tiny-llama", device="cuda", max_num_seqs=4, speculative_config=spec)
+    llm = LLM("tiny-llama", device="cuda", max_num_seqs=4, speculative_config=spec, acceptance_replay=replay)
     engine, runner = llm.engine, llm.engine.runner
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 9, 10, 9, 10], [11, 12, 13, 11, 12, 13], [14, 15, 16, 17]]
     for p in prompts:  # the same length each: the batch stays whole, its input kernel replays one small graph
