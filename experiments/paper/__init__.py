@@ -416,8 +416,8 @@ TABLES: dict[str, Table] = {
               "speculation in the same process (speedup). spec_tree=chain: 4 drafts; tree16: "
               "conf/spec_tree/tree16.yaml (16 nodes, depth 4); dynamic: EAGLE-2 (topk 4, num_draft_tokens 16: 15 "
               "nodes of depth <= 4 chosen per request and step). Trees draft eagerly at collect (no draft graphs); "
-              "the chain drafts from graphs and launches ahead. The adaptive policy drafts only where it measures "
-              "drafting faster per batch size.",
+              "the chain drafts from graphs and launches ahead. The adaptive policy caps the drafts (tree nodes) each "
+              "step verifies at 0, 1, 2, 4, ... or all, whichever it measures fastest per batch size.",
     ),
     "spec_suffix_h200": Table(
         what="suffix decoding (path and tree) vs ngram vs EAGLE-3 (k = 5, greedy) on the agentic and code workloads, "

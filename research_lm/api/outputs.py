@@ -22,6 +22,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)  # preempted: drop rows, reset state
     assumed: bool = False  # async scheduling: requests advanced at launch (`Scheduler.assume_launched`)
     draft: bool = True  # whether the proposer drafts for the next step (the engine's speculation policy)
+    max_drafts: int | None = None  # the policy's cap on each request's drafts for the next step; None: all k
+    verify_cap: int = 0  # the cap the drafts this step verifies were written under (the policy's bookkeeping)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -132,8 +132,10 @@ class LLMEngine:
             separate_prefill_tokens=self._separate_prefill_tokens(config.separate_prefills),
             disable_by_batch_size=(config.speculative_config or {}).get("disable_by_batch_size"),
         )
-        self.spec_policy = build_policy((config.speculative_config or {}).get("speculation_policy"),
+        k = proposer.num_speculative_tokens if proposer is not None else 0
+        self.spec_policy = build_policy((config.speculative_config or {}).get("speculation_policy"), k,
                                         distributed=self.ranks is not None)
+        self._draft_cap = k  # the cap of the drafts the last launched step wrote: the next step verifies under it
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device)
         self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step
         self.metrics = EngineMetrics()
@@ -333,7 +335,8 @@ class LLMEngine:
         scheduled = collecting.sched.scheduled
         if self.spec_policy.measures and scheduled and all(s.num_new_tokens == s.num_spec_tokens + 1
                                                            for s in scheduled):  # decoding alone
-            self.spec_policy.record(len(scheduled), collecting.verifies, sum(map(len, out.sampled_token_ids)), seconds)
+            arm = collecting.sched.verify_cap if collecting.verifies else 0
+            self.spec_policy.record(len(scheduled), arm, sum(map(len, out.sampled_token_ids)), seconds)
         return finished
 
     def _can_launch_ahead(self, step: PendingStep) -> bool:
@@ -346,7 +349,10 @@ class LLMEngine:
 
     def _launch(self) -> PendingStep:
         sched = self.scheduler.schedule()
-        sched.draft = self.spec_policy.drafts(len(sched.scheduled))
+        cap = self.spec_policy.choose(len(sched.scheduled))
+        sched.draft, sched.max_drafts, sched.verify_cap = cap != 0, cap, self._draft_cap
+        if self.runner.proposer is not None:
+            self._draft_cap = self.runner.proposer.num_speculative_tokens if cap is None else cap
         pending = self.runner.launch(sched)
         if self.eplb is not None:
             self.eplb.step()

@@ -129,19 +129,22 @@ class RequestState:
             return
         self.launches(("advance", *launch_key(rows, delta, emitted, num_emitted)), launch)
 
-    def write_drafts(self, rows: torch.Tensor, drafts: Drafts) -> list[int]:
+    def write_drafts(self, rows: torch.Tensor, drafts: Drafts, cap: int | None = None) -> list[int]:
         """Put the drafts right after their requests' tokens, with how many are real; rows [n]: each of the step's
         requests' row (the others keep no drafts). The draft slots of each drafted request's next step: a count the
-        host knows (all k where only the device counts the real ones)."""
-        k = drafts.token_ids.shape[1]
+        host knows (all k where only the device counts the real ones). `cap`: at most that many each (the caller
+        capped `drafts` already; drafts the proposer wrote into the table are capped here)."""
+        k = drafts.token_ids.shape[1] if cap is None else min(drafts.token_ids.shape[1], cap)
         if drafts.in_table:
+            if k < drafts.token_ids.shape[1]:
+                self.num_drafts[rows.long()] = self.num_drafts[rows.long()].clamp(max=k)
             return [k] * len(drafts.index)  # counted on the device
         every = drafts.index == list(range(len(rows)))  # (the common case: every request drafted, in order)
         if not every:
             self.num_drafts.index_fill_(0, rows.long(), 0)
         if not drafts.index:
             return []
-        num = drafts.num if drafts.num is not None else [k] * len(drafts.index)
+        num = drafts.num if drafts.num is not None else [k] * len(drafts.index)  # (capped: <= k)
         if not every:
             rows = rows[to_device(drafts.index, torch.int64, self.device)]
         if self.device.type in FUSED_DEVICE_TYPES:

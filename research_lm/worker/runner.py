@@ -240,20 +240,21 @@ class ModelRunner:
             t1 = time.perf_counter()
             step.drafted = self.proposer.propose_on_device(step.outcome) if sched.draft else Drafts([], emitted[:0])
             if step.drafted is not None:
-                step.num_proposed = self._write_drafts(step.outcome, step.drafted)
+                step.num_proposed = self._write_drafts(step.outcome, step.drafted, sched.max_drafts)
                 step.draft_ms = (time.perf_counter() - t1) * 1e3
         # To the host: a plain step's sampled ids (the host knows its counts), a verify step's tokens and counts.
         step.host, step.copied = self._host.start_copy(packed)
         self._latest = step
         return step
 
-    def _write_drafts(self, outcome: StepOutcome, drafts: Drafts) -> dict[str, int]:
-        """The drafts into the token table; request id -> the draft slots of its next step."""
+    def _write_drafts(self, outcome: StepOutcome, drafts: Drafts, cap: int | None) -> dict[str, int]:
+        """The drafts into the token table, at most `cap` per request; request id -> its next step's draft slots."""
+        drafts = drafts.capped(cap)
         self.draft_probs.update(drafts.probs)
         if drafts.tree_parents is not None:  # each request's own token tree (a dynamic one)
             rows = outcome.common.request_rows[to_device(drafts.index, torch.int64, drafts.tree_parents.device)]
             self.tree.tree.set_rows(rows.long(), drafts.tree_parents)
-        slots = self.state.write_drafts(outcome.common.request_rows, drafts)
+        slots = self.state.write_drafts(outcome.common.request_rows, drafts, cap)
         return {outcome.requests[i].request_id: c for i, c in zip(drafts.index, slots, strict=True)}
 
     def collect(self, step: PendingStep) -> RunnerOutput:
@@ -292,7 +293,7 @@ class ModelRunner:
             outcome.emitted = emitted
             outcome.num_rejected = [s.num_spec_tokens + 1 - len(e) if e else 0 for s, e in zip(scheduled, emitted)]
             t1 = time.perf_counter()
-            output.num_proposed = self._write_drafts(outcome, self.proposer.propose(outcome))
+            output.num_proposed = self._write_drafts(outcome, self.proposer.propose(outcome), step.sched.max_drafts)
             output.draft_ms = (time.perf_counter() - t1) * 1e3
         if any(real):  # it verified real drafts (a step of draft slots an n-gram lookup left empty did not)
             output.verify_ms = (time.perf_counter() - step.t0) * 1e3 - (output.draft_ms or 0.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,15 @@ class Drafts:
     # one, token_tree.DynamicTree), node j's parent (column 0: -1); None: the proposer's static tree, or a chain
     in_table: bool = False  # the proposer wrote them (and `num`) into `TokenTable` itself, in order: every request
     # of the step drafted (a graph that writes them where it drafts them)
+
+    def capped(self, cap: int | None) -> Drafts:
+        """At most `cap` real drafts per request (the speculation policy's arm): a chain's first drafts, a tree's
+        first nodes (breadth-first: a subtree). Drafts written into the table by the proposer (`in_table`) are
+        capped there by the runner."""
+        if cap is None or cap >= self.token_ids.shape[1] or self.in_table:
+            return self
+        num = self.num if self.num is not None else [self.token_ids.shape[1]] * len(self.index)
+        return replace(self, num=num.clamp(max=cap) if isinstance(num, torch.Tensor) else [min(n, cap) for n in num])
 
     @classmethod
     def from_lists(cls, index: list[int], token_ids: list[list[int]], k: int, device: torch.device,

@@ -1,10 +1,11 @@
 """The batch-aware speculation policy (`speculative_config["speculation_policy"]`, research_lm/engine/spec_policy.py).
 
 Invariants:
-- Per batch bucket the adaptive policy measures both ways, then drafts where drafting's tokens per second are the
-  higher, re-trying the other way one step in `explore_every`; buckets do not share their measurements.
-- Through the engine: greedy outputs are the plain ones whatever it decides; steps it keeps from drafting verify
-  nothing; an unknown policy is refused naming the choices.
+- The adaptive policy's arms are caps on the drafts a step verifies: 0, 1, 2, 4, ..., k. Per batch bucket it measures
+  each arm, then takes the one with the most output tokens per second, re-trying the others in turn one step in
+  `explore_every`; buckets do not share their measurements.
+- Through the engine: greedy outputs are the plain ones whatever it decides; a cap of c verifies at most c drafts per
+  request (a chain's first, a tree's first nodes), 0 verifies nothing; an unknown policy is refused naming the choices.
 """
 
 from __future__ import annotations
@@ -15,27 +16,31 @@ from research_lm import LLM, SamplingParams
 from research_lm.engine.spec_policy import AdaptivePolicy
 
 
-def _feed(policy: AdaptivePolicy, batch: int, plain_rate: float, spec_rate: float, steps: int) -> list[bool]:
-    """Run `steps` decisions in one bucket, each step measured at the rate of the way it took."""
+def _feed(policy: AdaptivePolicy, batch: int, rates: dict[int, float], steps: int) -> list[int]:
+    """Run `steps` decisions in one bucket, each step measured at its arm's rate (tokens per second)."""
     chosen = []
     for _ in range(steps):
-        way = policy.drafts(batch)
-        chosen.append(way)
-        policy.record(batch, way, 100, 100 / (spec_rate if way else plain_rate))
+        arm = policy.choose(batch)
+        chosen.append(arm)
+        policy.record(batch, arm, 100, 100 / rates[arm])
     return chosen
 
 
-def test_adaptive_policy_follows_the_faster_way_per_bucket():
-    policy = AdaptivePolicy(warmup=3, explore_every=10)
-    slow = _feed(policy, 32, plain_rate=2000.0, spec_rate=1500.0, steps=66)
-    assert slow[:6].count(True) == 3  # warm-up: both ways measured
-    assert slow[6:].count(True) == 6  # then plain, re-trying speculation one step in 10
-    fast = _feed(policy, 1, plain_rate=100.0, spec_rate=250.0, steps=36)
-    assert fast[6:].count(False) == 3 and policy.bucket(1) != policy.bucket(32)
+def test_adaptive_policy_follows_the_fastest_arm_per_bucket():
+    policy = AdaptivePolicy(num_speculative_tokens=5, warmup=3, explore_every=10)
+    assert policy.arms == [0, 1, 2, 4, 5]
+    slow = _feed(policy, 32, {0: 2000.0, 1: 1900.0, 2: 2100.0, 4: 1500.0, 5: 1200.0}, steps=115)
+    assert sorted(slow[:15]) == sorted([0, 1, 2, 4, 5] * 3)  # warm-up: every arm measured
+    assert slow[15:].count(2) == 90  # then the fastest, re-trying the other arms in turn one step in 10
+    assert [a for a in slow[15:] if a != 2] == [0, 1, 4, 5] * 2 + [0, 1]
+    fast = _feed(policy, 1, {0: 100.0, 1: 150.0, 2: 200.0, 4: 260.0, 5: 250.0}, steps=35)
+    assert fast[15:].count(4) == 18 and policy.bucket(1) != policy.bucket(32)
     assert [policy.bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     # a change of acceptance is seen through the exploring steps' measurements
-    later = _feed(policy, 32, plain_rate=2000.0, spec_rate=4000.0, steps=60)
-    assert later[-20:].count(True) >= 18
+    later = _feed(policy, 32, {0: 2000.0, 1: 1900.0, 2: 2100.0, 4: 3000.0, 5: 4000.0}, steps=100)
+    assert later[-20:].count(5) >= 18
+    policy.record(32, 3, 100, 1.0)  # a step verified under a cap of 3 counts as arm 4's
+    assert policy.buckets[32].steps[4] > later.count(4) + slow.count(4)
 
 
 def test_engine_with_adaptive_policy_keeps_greedy_outputs(tiny_checkpoint):
@@ -51,12 +56,12 @@ def test_engine_with_adaptive_policy_keeps_greedy_outputs(tiny_checkpoint):
     assert isinstance(policy, AdaptivePolicy)
     policy.warmup, policy.explore_every = 2, 4
     decisions = []
-    real = policy.drafts
-    policy.drafts = lambda batch: decisions.append(real(batch)) or decisions[-1]
+    real = policy.choose
+    policy.choose = lambda batch: decisions.append(real(batch)) or decisions[-1]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert True in decisions and False in decisions
-    assert sum(b.steps[0] for b in policy.buckets.values()) > 0 and sum(b.steps[1] for b in policy.buckets.values()) > 0
+    assert set(decisions) == {0, 1, 2, 3}
+    assert all(sum(b.steps.get(a, 0) for b in policy.buckets.values()) > 0 for a in policy.arms)
 
 
 def test_a_policy_that_never_drafts_verifies_nothing(tiny_checkpoint):
@@ -66,10 +71,37 @@ def test_a_policy_that_never_drafts_verifies_nothing(tiny_checkpoint):
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 5, 5, 5, 5, 5]]
     want = [o.outputs[0].token_ids for o in LLM(path, **knobs).generate(prompts, params, use_tqdm=False)]
     llm = LLM(path, **knobs, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    llm.engine.spec_policy.drafts = lambda batch: False
+    llm.engine.spec_policy.choose = lambda batch: 0
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.num_draft_tokens for o in outs) == 0
+
+
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                                  {"method": "eagle3", "model": "tiny-llama-eagle3", "num_speculative_tokens": 4},
+                                  {"method": "eagle3", "model": "tiny-llama-eagle3", "speculative_token_tree": TREE},
+                                  {"method": "eagle3", "model": "tiny-llama-eagle3", "num_speculative_tokens": 3,
+                                   "topk": 2, "num_draft_tokens": 7}],
+                         ids=["ngram", "eagle3-chain", "eagle3-tree", "eagle3-dynamic-tree"])
+def test_a_cap_verifies_at_most_that_many_drafts_and_keeps_greedy_outputs(spec):
+    """A cap of 2 on every step: each verification judges at most 2 drafts per request (a chain's first two, a tree's
+    first two nodes), and greedy outputs stay the plain ones."""
+    knobs = dict(dtype="float32", device="cpu", max_num_seqs=3, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(", "import os\nimport sys\nimport",
+               "for i in range(10):\n    for j in range("]
+    want = [o.outputs[0].token_ids for o in LLM("tiny-llama", **knobs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tiny-llama", **knobs, speculative_config=spec)
+    llm.engine.spec_policy.choose = lambda batch: 2
+    judged = []
+    collect = llm.engine.runner.collect
+    llm.engine.runner.collect = lambda step: judged.extend((out := collect(step)).num_draft_tokens or []) or out
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert max(judged) == 2 and sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
 
 def test_unknown_policy_lists_the_choices(tiny_checkpoint):
@@ -82,5 +114,38 @@ def test_adaptive_policy_is_refused_across_ranks():
     from research_lm.engine.spec_policy import build_policy
 
     with pytest.raises(ValueError, match="ranks could decide apart; with several ranks"):
-        build_policy("adaptive", distributed=True)
-    assert isinstance(build_policy("adaptive"), AdaptivePolicy) and not isinstance(build_policy(None), AdaptivePolicy)
+        build_policy("adaptive", 3, distributed=True)
+    assert isinstance(build_policy("adaptive", 3), AdaptivePolicy)
+    assert not isinstance(build_policy(None, 3), AdaptivePolicy)
+
+
+def test_a_cap_reaches_drafts_written_into_the_table_by_draft_graphs():
+    """EAGLE-3 drafting behind the verify graph writes its drafts and counts into the token table itself
+    (`Drafts.in_table`; graphs re-run on CPU, triton interpreted): a cap clamps those counts there. The policy
+    alternates all / 1: a capped step's verification runs eagerly (the verify graph's in-graph acceptance is for k
+    drafts), so the drafts written behind a graph are those for a capped step."""
+    from research_lm.worker.cuda_graphs import eager_capture
+
+    knobs = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, num_gpu_blocks=60,
+                 max_model_len=64, max_num_seqs=4, attention_backend="triton", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    prompts = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n"]
+    want = [o.outputs[0].token_ids for o in LLM("tiny-llama", **knobs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tiny-llama", **knobs, async_scheduling=True,
+              speculative_config={"method": "eagle3", "model": "tiny-llama-eagle3", "num_speculative_tokens": 3})
+    runner = llm.engine.runner
+    assert runner.capture_cuda_graphs([1, 2, 4], prefill_sizes=[], capture=eager_capture) is None
+    caps = iter([None, 1] * 100)
+    llm.engine.spec_policy.choose = lambda batch: next(caps)
+    capped_in_table, write = [], runner._write_drafts
+
+    def checked_write(outcome, drafts, cap):
+        slots = write(outcome, drafts, cap)
+        if drafts.in_table and cap == 1:
+            capped_in_table.append(int(runner.state.num_drafts[outcome.common.request_rows.long()].max()))
+        return slots
+
+    runner._write_drafts = checked_write
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert len(capped_in_table) >= 2 and max(capped_in_table) == 1
