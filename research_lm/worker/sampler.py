@@ -490,6 +490,9 @@ def apply_min_p(
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+_TOP_P_UNITS = float(1 << 40)  # top-p's fixed point: exact sums of up to 2^23 tokens' masses in int64
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [R, V] float32
     top_k: torch.Tensor | None,  # [R] int64; <= 0 or >= V disables; None: no row uses top-k
@@ -512,11 +515,14 @@ def apply_top_k_top_p(
         threshold = sorted_logits.gather(1, (k - 1)[:, None])  # [R, 1]: the k-th largest
         sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)  # [R, V]
-        cum = probs.cumsum(dim=-1)
-        cum_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass ahead of i
+        # The prefix sums in fixed point (units of 2^-40): integer sums are exact, so the cut never depends on the
+        # order a scan adds in, which CUDA picks from the tensor's shape (the batch): a request's top-p set is the
+        # same alone and in any batch.
+        mass = (sorted_logits.softmax(dim=-1).double() * _TOP_P_UNITS).round().long()  # [R, V]
+        cum_before = mass.cumsum(dim=-1) - mass  # mass ahead of i
         # Keep i while the tokens before it hold < p; p = 1 keeps everything despite rounding.
-        keep = (cum_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # [R, V], a prefix
+        p_units = (top_p.double() * _TOP_P_UNITS).round().long()[:, None]
+        keep = (cum_before < p_units) | (top_p[:, None] >= 1.0)  # [R, V], a prefix
         last = keep.sum(dim=-1, keepdim=True).clamp(min=1) - 1  # [R, 1]
         threshold = torch.maximum(threshold, sorted_logits.gather(1, last))
     return logits.masked_fill(logits < threshold, float("-inf"))
