@@ -85,7 +85,7 @@ set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
     python -m pytest -m gpu tests/test_cuda_graphs.py tests/engine tests/ops tests/spec_decode tests/test_sampler.py \
-      tests/test_rejection_sampler.py tests/attention_zoo -p no:cacheprovider -rfE -q ;;
+      tests/test_rejection_sampler.py tests/test_acceptance_replay.py tests/attention_zoo -p no:cacheprovider -rfE -q ;;
   match)  # greedy spec outputs vs the baseline on the GPU: 1.0 of requests in float32, 0.875 in bfloat16 at
           # 89ff565 (bf16 rounding differs between a k+1-token verify forward and a 1-token decode forward)
     [ -d outputs/reference/target ] || bash experiments/train_reference.sh outputs/reference
