@@ -83,13 +83,17 @@ def _spec_reference_sweep(ks: str) -> tuple[str, ...]:
             "workload.max_tokens=128", "runner.num_gpu_blocks=4096")
 
 
-# one part per proposer and batch: the proposer's head, and 8 requests at batch 1, 4 x batch above
-_SPEC_REFERENCE_PARTS = tuple(
-    (f"spec={method}", *((f"spec.model={_REF}/{head}",) if head else ()), f"runner.max_num_seqs={b}",
-     f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
+def _spec_parts(variants: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
+    """One part per variant (its overrides) and batch 1 / 8 / 32: 8 requests at batch 1, 4 x batch above."""
+    return tuple((*variant, f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}",
+                  f"warmup_requests={b}") for variant in variants for b in (1, 8, 32))
+
+
+# one part per proposer and batch: the proposer's head
+_SPEC_REFERENCE_PARTS = _spec_parts(tuple(
+    (f"spec={method}", *((f"spec.model={_REF}/{head}",) if head else ()))
     for method, head in (("ngram", None), ("eagle3", "eagle3"), ("eagle", "eagle"), ("medusa", "medusa"),
-                         ("draft_model", "draft"))
-    for b in (1, 8, 32))
+                         ("draft_model", "draft"))))
 _SPEC_REFERENCE_ABOUT = (
     "The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 24 layers, 9.6 M parameters, "
     "trained on the stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 3500 steps on the "
@@ -104,23 +108,16 @@ _SPEC_REFERENCE_ABOUT = (
 
 
 # spec_tree_h200: EAGLE-3 chain vs static vs dynamic tree on the reference target, one part per tree and batch
-_SPEC_TREE_PARTS = tuple(
-    (f"spec_tree={tree}", f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}",
-     f"warmup_requests={b}")
-    for tree in ("chain", "tree16", "dynamic") for b in (1, 8, 32))
+_SPEC_TREE_PARTS = _spec_parts(tuple((f"spec_tree={tree}",) for tree in ("chain", "tree16", "dynamic")))
 # spec_suffix_h200: the model-free proposers and EAGLE-3 on the agentic and code workloads, a part per method and batch
-_SPEC_SUFFIX_PARTS = tuple(
-    (*method, f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
-    for method in (("spec=ngram",), ("spec=suffix",), ("spec=suffix", "spec.suffix_decoding_tree=true"),
-                   ("spec=eagle3", f"spec.model={_REF}/eagle3"))
-    for b in (1, 8, 32))
+_SPEC_SUFFIX_PARTS = _spec_parts((("spec=ngram",), ("spec=suffix",), ("spec=suffix", "spec.suffix_decoding_tree=true"),
+                                  ("spec=eagle3", f"spec.model={_REF}/eagle3")))
 # spec_mtp_h200: the DeepSeek reference target (experiments/train_reference_mtp.sh) with its MTP layer vs EAGLE-3
 _REF_MTP = "outputs/reference_mtp"
-_SPEC_MTP_PARTS = tuple(
-    (*method, f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}", f"warmup_requests={b}")
-    for method in (("spec=mtp", "spec.num_speculative_tokens=1"), ("spec=mtp", "spec.num_speculative_tokens=3"),
-                   ("spec=eagle3", f"spec.model={_REF_MTP}/eagle3", "spec.num_speculative_tokens=3"))
-    for b in (1, 8, 32))
+_SPEC_MTP_PARTS = _spec_parts((("spec=mtp", "spec.num_speculative_tokens=1"),
+                               ("spec=mtp", "spec.num_speculative_tokens=3"),
+                               ("spec=eagle3", f"spec.model={_REF_MTP}/eagle3", "spec.num_speculative_tokens=3")))
+
 
 def command(name: str) -> str:
     return f"python -m experiments.paper {name}"
