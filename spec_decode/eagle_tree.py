@@ -38,7 +38,7 @@ import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
 from research_lm.worker.spec import Drafts
-from research_lm.worker.token_tree import DynamicTree, TokenTree
+from research_lm.worker.token_tree import DynamicTree, TokenTree, tree_tables
 from spec_decode.heads import draft_metadata
 
 # The head's forward over (ids [T], positions [T], metadata, features [T, H]) -> (output, next feature), each [T, H];
@@ -136,13 +136,14 @@ class DynamicEagleTree:
         cand_parents = [torch.full((n, k), -1, dtype=torch.int64, device=device)]  # candidate index, -1 the root
         frontier = torch.arange(k, device=device).expand(n, k)  # candidate index of each frontier node
         block_tokens, block_parents = tokens, torch.full((n, k), -1, dtype=torch.int64, device=device)
-        block_depths = torch.ones(n, k, dtype=torch.int64, device=device)
         carry = root_carry[:, None]  # [n, 1 + M, H]: the root's, then the block's nodes
         for depth in range(2, self.tree.depth + 1):
             level = (depth - 2) * k  # the block index of the depth-(d - 1) frontier, the block's last k nodes
             features = carry[torch.arange(n, device=device)[:, None], block_parents + 1]  # [n, M, H]
+            # the block as a tree under the root (node = block index + 1); the root, bit 0, is in the cached context
+            depths, bits = tree_tables(torch.nn.functional.pad(block_parents + 1, (1, 0), value=-1))
             out, block_carry = run_block(self.forward, self.layers, step, rows, root_positions, block_tokens,
-                                         features, block_depths, _ancestor_bits(block_parents))
+                                         features, depths[:, 1:], bits[:, 1:] >> 1)
             carry = torch.cat([root_carry[:, None], block_carry], dim=1)
             probs, child_tokens = self._top(out[:, level:])  # [n, k, k] each: row i, the children of frontier i
             child_scores = (scores[:, :, None] * probs).view(n, k * k)
@@ -154,7 +155,6 @@ class DynamicEagleTree:
             scores, tokens, frontier = child_scores.gather(1, best), cand_tokens[-1].gather(1, best), base + best
             block_tokens = torch.cat([block_tokens, tokens], dim=1)
             block_parents = torch.cat([block_parents, level + best // k], dim=1)
-            block_depths = torch.cat([block_depths, torch.full_like(best, depth)], dim=1)
         return self._select(torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1),
                             rows, budgets)
 
@@ -181,16 +181,6 @@ class DynamicEagleTree:
         tree_parents = torch.cat([torch.full((n, 1), -1, dtype=torch.int64, device=device), node_parents], dim=1)
         return Drafts(rows, tokens.gather(1, chosen), [self.tree.real_nodes(b) for b in budgets],
                       tree_parents=tree_parents)
-
-
-def _ancestor_bits(parents: torch.Tensor) -> torch.Tensor:  # [n, M] int64 block indices (-1: the root) -> [n, M]
-    """Each block node's mask over the block: bit i = it sees block node i (itself and its ancestors)."""
-    bits = torch.zeros_like(parents)
-    for j in range(parents.shape[1]):
-        parent = parents[:, j : j + 1]
-        above = bits.gather(1, parent.clamp(min=0)).squeeze(1)
-        bits[:, j] = torch.where(parent.squeeze(1) >= 0, above, 0) | 1 << j
-    return bits
 
 
 def run_block(forward: HeadForward, layers: Sequence[CacheLayer], step: CommonAttentionMetadata, rows: list[int],

@@ -59,6 +59,7 @@ import torch
 from research_lm.worker import rng
 from research_lm.worker.rejection_sampler import PLACEHOLDER_TOKEN_ID
 from research_lm.worker.sampler import race
+from research_lm.worker.token_tree import tree_tables
 
 TreeOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # emitted, num_emitted, path
 
@@ -69,11 +70,8 @@ def chain_parents(k: int) -> torch.Tensor:  # [k + 1] int64: -1, 0, 1, ..., k - 
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:  # [n, N + 1] int64 -> [n, N + 1] int64
-    """depth(0) = 0, depth(j) = depth(parent(j)) + 1, by one gather per node (parents[:, j] < j)."""
-    depths = torch.zeros_like(parents)
-    for j in range(1, parents.shape[1]):
-        depths[:, j] = depths.gather(1, parents[:, j : j + 1]).squeeze(1) + 1
-    return depths
+    """depth(0) = 0, depth(j) = depth(parent(j)) + 1 (`token_tree.tree_tables`)."""
+    return tree_tables(parents)[0]
 
 
 def accept_tree_greedily(
