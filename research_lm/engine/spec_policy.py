@@ -82,7 +82,7 @@ class AdaptivePolicy(SpeculationPolicy):
         b.steps[arm] = b.steps.get(arm, 0) + 1
 
 
-POLICIES = {"always": SpeculationPolicy, "adaptive": AdaptivePolicy}
+POLICIES = {"always": lambda k: SpeculationPolicy(), "adaptive": AdaptivePolicy}  # name -> (k) -> policy
 
 
 def build_policy(name: str | None, num_speculative_tokens: int, distributed: bool = False) -> SpeculationPolicy:
@@ -93,4 +93,4 @@ def build_policy(name: str | None, num_speculative_tokens: int, distributed: boo
     if name == "adaptive" and distributed:
         raise ValueError("speculation_policy='adaptive' decides from each rank's own step times, so ranks could "
                          "decide apart; with several ranks (tensor or expert parallelism) use 'always'")
-    return AdaptivePolicy(num_speculative_tokens) if name == "adaptive" else SpeculationPolicy()
+    return POLICIES[name or "always"](num_speculative_tokens)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from research_lm.assets import ASSETS
 from research_lm.worker import rng
 from research_lm.worker.rng import to_device
 
@@ -57,7 +58,7 @@ class AcceptanceProfile:
         return d
 
 
-SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "assets" / "profiles"  # <name>.json: published anchors
+SHIPPED_PROFILES = ASSETS / "profiles"  # <name>.json: published anchors
 
 
 def shipped_profiles() -> list[str]:
