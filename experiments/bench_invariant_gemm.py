@@ -2,7 +2,9 @@
 
     python experiments/bench_invariant_gemm.py                      # Llama-3.2-1B's projections, M = 1 / 8 / 64 / 512
     python experiments/bench_invariant_gemm.py --shape llama-3.1-8b --m 1 64
-    python experiments/bench_invariant_gemm.py --sweep              # + the fastest (BLOCK_N, split-K) per cell
+    python experiments/bench_invariant_gemm.py --sweep --m 1 64 256  # + the best tile per layer over those Ms
+    python experiments/bench_invariant_gemm.py --sweep --m 1 64 256 --tune TUNED  # + writes them where
+                                            # linear_config reads them (TUNED: research_lm/assets/tuned/<...>.json)
     python experiments/bench_invariant_gemm.py --tiny --device cpu  # a smoke run (interpreter)
 
 Each row: one projection [M, K] x [N, K]^T in the shape's dtype, µs per call (median), the invariant kernel's tile,
@@ -15,6 +17,8 @@ bench_throughput_batch_invariant_h200.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,24 +36,58 @@ def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
             "lm_head": (shape["vocab_size"], h)}
 
 
-SWEEP = [(block_n, split_k) for block_n in (16, 32, 64, 128) for split_k in (1, 2, 4, 8)]
+def _config_name(c) -> str:
+    return f"{c.block_m}x{c.block_n}x{c.block_k}/{c.split_k} w{c.num_warps}s{c.num_stages}"
 
 
-def best_config(x: torch.Tensor, weight: torch.Tensor, device: torch.device) -> tuple[str, float]:
-    """--sweep: the fastest (BLOCK_N, SPLIT_K) of SWEEP at this M, keeping linear_config's BLOCK_M and BLOCK_K (a rule
-    for linear_config must then pick one config per (N, K) for every M)."""
+def tune(weight: torch.Tensor, xs: dict[int, torch.Tensor], cublas: dict[int, float], device: torch.device):
+    """--sweep: the tile whose worst ratio to cuBLAS over the Ms is lowest (one tile serves every M: that is what
+    keeps a row's bits independent of M). Two stages: BLOCK_N x split-K at linear_config's K step, then the K step,
+    warps and stages around the best. Returns (config, {M: µs}); tiles that do not fit the GPU are skipped."""
     from dataclasses import replace
 
     from research_lm.ops.batch_invariant import linear, linear_config
 
-    base = linear_config(*weight.shape, weight.dtype)
-    times = {}
-    for block_n, split_k in SWEEP:
-        c = replace(base, block_n=block_n, split_k=split_k)
-        times[f"{c.block_m}x{block_n}x{c.block_k}/{split_k}"] = gpu_ms(lambda c=c: linear(x, weight, config=c),
-                                                                     device) * 1e3
-    tile = min(times, key=times.get)
-    return tile, times[tile]
+    def timed(c) -> dict[int, float] | None:
+        try:
+            return {m: bench_us(lambda c=c, x=x: linear(x, weight, config=c), device) for m, x in xs.items()}
+        except Exception as e:  # triton's OutOfResources (shared memory) and the like: not a candidate here
+            print(f"  skip {_config_name(c)}: {type(e).__name__}", flush=True)
+            return None
+
+    def best(candidates):
+        results = {c: t for c in dict.fromkeys(candidates) if (t := timed(c)) is not None}
+        return min(results.items(), key=lambda ct: max(ct[1][m] / cublas[m] for m in xs))
+
+    base = replace(linear_config(*weight.shape, weight.dtype), num_warps=4, num_stages=3)
+    top, _ = best(replace(base, block_n=bn, split_k=sk) for bn in (16, 32, 64, 128) for sk in (1, 2, 4, 8))
+    return best(replace(top, block_k=bk, num_warps=w, num_stages=st)
+                for bk in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3), (8, 4)))
+
+
+def bench_us(fn, device: torch.device) -> float:
+    """µs per call: gpu_ms's do_bench, shorter (the sweep times hundreds of candidates)."""
+    if device.type != "cuda":
+        return gpu_ms(fn, device) * 1e3
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
+
+
+def write_tuned(path: Path, device_name: str, tuned: dict[tuple[int, int], tuple[Any, dict[int, float], dict]]):
+    """Merge this GPU's tiles into TUNED_CONFIGS' JSON (other GPUs' entries stay), with the ratios they measured."""
+    from dataclasses import asdict
+
+    data = json.loads(path.read_text()) if path.exists() else {"devices": {}}
+    data["about"] = ("Batch-invariant GEMM tiles per GPU model and 16-bit (N, K), written by "
+                     "`python experiments/bench_invariant_gemm.py --sweep --tune`: the tile with the lowest worst "
+                     "ratio to cuBLAS over the measured Ms (µs per call beside it).")
+    shapes = data["devices"].setdefault(device_name, {})
+    for (n, k), (config, us, cublas) in tuned.items():
+        shapes[f"{n}x{k}"] = {"config": asdict(config), "us": {str(m): round(t, 2) for m, t in us.items()},
+                              "cublas_us": {str(m): round(t, 2) for m, t in cublas.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def measure(args) -> dict[str, Any]:
@@ -58,7 +96,7 @@ def measure(args) -> dict[str, Any]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shape = TINY if args.tiny else SHAPES[args.shape]
     gen = torch.Generator(device="cpu").manual_seed(0)
-    rows = []
+    rows, tuned = [], {}
     for layer, (n, k) in projections(shape).items():
         weight = torch.randn(n, k, generator=gen).to(device, dtype)
         x_max = torch.randn(max(args.m), k, generator=gen).to(device, dtype)
@@ -68,15 +106,23 @@ def measure(args) -> dict[str, Any]:
             cublas = gpu_ms(lambda x=x, w=weight: torch.nn.functional.linear(x, w), device) * 1e3
             invariant = gpu_ms(lambda x=x, w=weight: linear(x, w), device) * 1e3
             first[m] = (torch.nn.functional.linear(x, weight)[0], linear(x, weight)[0])
-            c = linear_config(n, k, dtype)
+            c = linear_config(n, k, dtype, torch.cuda.get_device_name(device) if device.type == "cuda" else None)
             rows.append({"layer": layer, "n": n, "k": k, "m": m, "cublas_us": cublas, "invariant_us": invariant,
-                         "ratio": invariant / cublas, "tile": f"{c.block_m}x{c.block_n}x{c.block_k}/{c.split_k}"})
-            if args.sweep:
-                rows[-1]["best_tile"], rows[-1]["best_us"] = best_config(x, weight, device)
+                         "ratio": invariant / cublas, "tile": _config_name(c)})
+        layer_rows = rows[-len(args.m):]
+        if args.sweep:
+            xs = {m: x_max[:m] for m in args.m}
+            cublas = {r["m"]: r["cublas_us"] for r in layer_rows}
+            config, us = tune(weight, xs, cublas, device)
+            tuned[(n, k)] = (config, us, cublas)
+            for row in layer_rows:
+                row["best_tile"], row["best_us"] = _config_name(config), us[row["m"]]
         m0 = min(args.m)
-        for row in rows[-len(args.m):]:
+        for row in layer_rows:
             row["cublas_row_changes"] = not torch.equal(first[row["m"]][0], first[m0][0])
             row["invariant_row_changes"] = not torch.equal(first[row["m"]][1], first[m0][1])
+    if args.tune and tuned and device.type == "cuda" and dtype.itemsize == 2:
+        write_tuned(Path(args.tune), torch.cuda.get_device_name(device), tuned)
     return {"shape_name": "tiny" if args.tiny else args.shape, "dtype": args.dtype, "rows": rows}
 
 
@@ -85,8 +131,8 @@ def render(payload: dict[str, Any]) -> str:
              f"The batch-invariant GEMM against cuBLAS, {payload['shape_name']} shape, {payload['dtype']}: µs per "
              "call (median of triton's do_bench), and whether the first row's bits change from the smallest M. "
              + repeats_line(payload), "",
-             "| layer | N x K | M | cuBLAS µs | invariant µs | ratio | tile (M x N x K / split-K) | best of --sweep | "
-             "its µs | cuBLAS row changes | invariant row changes |",
+             "| layer | N x K | M | cuBLAS µs | invariant µs | ratio | tile (M x N x K / split-K, warps, stages) | "
+             "best of --sweep | its µs | cuBLAS row changes | invariant row changes |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- |"]
     for r in payload["rows"]:
         lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['m']} | {cell(r, 'cublas_us', '.1f')} | "
@@ -103,7 +149,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     p.add_argument("--tiny", action="store_true", help="a tiny shape: a smoke run of the code paths")
     p.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 512], help="token counts (rows)")
-    p.add_argument("--sweep", action="store_true", help="also time every (BLOCK_N, SPLIT_K) of SWEEP: the best")
+    p.add_argument("--sweep", action="store_true",
+                   help="also search the tile with the lowest worst ratio to cuBLAS over --m (see tune)")
+    p.add_argument("--tune", metavar="JSON", help="with --sweep on a GPU in 16 bits: merge the found tiles into this "
+                   "file (research_lm/assets/tuned/batch_invariant_gemm.json is the one linear_config reads)")
     add_repeat_args(p, default_repeats=1)
     return p
 

@@ -83,17 +83,19 @@ def _spec_reference_sweep(ks: str) -> tuple[str, ...]:
             "workload.max_tokens=128", "runner.num_gpu_blocks=4096")
 
 
-def _spec_parts(variants: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
-    """One part per variant (its overrides) and batch 1 / 8 / 32: 8 requests at batch 1, 4 x batch above."""
+def _spec_parts(variants: tuple[tuple[str, ...], ...],
+                batches: tuple[int, ...] = (1, 8, 32)) -> tuple[tuple[str, ...], ...]:
+    """One part per variant (its overrides) and batch: 8 requests at batch 1, 4 x batch above."""
     return tuple((*variant, f"runner.max_num_seqs={b}", f"workload.num_requests={8 if b == 1 else 4 * b}",
-                  f"warmup_requests={b}") for variant in variants for b in (1, 8, 32))
+                  f"warmup_requests={b}") for variant in variants for b in batches)
 
 
 # one part per proposer and batch: the proposer's head
-_SPEC_REFERENCE_PARTS = _spec_parts(tuple(
+_SPEC_PROPOSERS = tuple(
     (f"spec={method}", *((f"spec.model={_REF}/{head}",) if head else ()))
     for method, head in (("ngram", None), ("eagle3", "eagle3"), ("eagle", "eagle"), ("medusa", "medusa"),
-                         ("draft_model", "draft"))))
+                         ("draft_model", "draft")))
+_SPEC_REFERENCE_PARTS = _spec_parts(_SPEC_PROPOSERS)
 _SPEC_REFERENCE_ABOUT = (
     "The GPU reference target (experiments/train_reference.sh: Llama, hidden 192, 24 layers, 9.6 M parameters, "
     "trained on the stdlib + pydoc corpus) and its four drafters trained in-framework (EAGLE-3 3500 steps on the "
@@ -397,6 +399,23 @@ TABLES: dict[str, Table] = {
               "where every request is plain greedy (issue 28; a temperature-1 step is collected first); "
               "ab_issue28_ablation_h200 is the same-run A/B of its greedy eagle3 / draft_model / ngram "
               "cells against the commit before the redesign.",
+    ),
+    "spec_ablation_batch_invariant_h200": Table(
+        what="issue 35's losslessness check: every proposer, greedy, k = 5, batch {1, 32} with "
+             "runner.batch_invariant=true: outputs_match_baseline must be 1.0 in every cell",
+        device="cuda", measured_on="NVIDIA H200",
+        minutes="~6 min on one GPU (30 jobs; + ~8.5 min training when missing)",
+        sweep=(*_spec_reference_sweep("5")[:6], "spec.num_speculative_tokens=5", "workload.temperature=0.0",
+               "workload.max_tokens=64", "runner.num_gpu_blocks=4096", "runner.batch_invariant=true"),
+        parts=_spec_parts(_SPEC_PROPOSERS, batches=(1, 32)),
+        prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
+        repeat_key="seed",
+        title="spec_ablation with batch_invariant=True on the reference target (GPU)",
+        about=_SPEC_REFERENCE_ABOUT + " Here both runs (speculative and plain) take the batch-invariant kernels "
+              "(issue 35: a fixed reduction order per token row whatever the step's batch or query length), so a "
+              "verify forward of k + 1 tokens gives each row the bits a one-token decode gives it, and greedy "
+              "speculative decoding must equal plain greedy token for token (outputs_match_baseline 1.0) in bf16. "
+              "spec_ablation_k5_h200 is the same setting without the switch.",
     ),
     "spec_tree_h200": Table(
         what="EAGLE-3 chain (depth 4) vs static 16-node tree vs EAGLE-2 dynamic tree (15 nodes, topk 4, depth 4) on "

@@ -23,6 +23,8 @@ before, and tests reach the kernels under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -31,7 +33,12 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from research_lm.assets import ASSETS
 from research_lm.ops.common import next_power_of_2, round_to
+
+# Tiles measured per GPU and 16-bit weight shape (experiments/bench_invariant_gemm.py --tune writes them): a tuned
+# tile is still a function of (device, N, K) alone, so a row's bits do not depend on M on that device.
+TUNED_CONFIGS = ASSETS / "tuned" / "batch_invariant_gemm.json"
 
 _TARGET_N_TILES = 128  # output-column tiles aimed at, so a batch-1 step still spreads over many programs
 _MAX_BLOCK_N = 128
@@ -50,9 +57,26 @@ class LinearConfig:
     num_stages: int = 3
 
 
-def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
-    """The tile for a [*, k] x [n, k]^T product: from the weight's shape and dtype only, never from M. A long K is
-    split (a fixed count from K alone: a batch-1 step of down_proj otherwise walks K serially on few programs)."""
+@functools.cache
+def tuned_configs(device_name: str) -> dict[tuple[int, int], LinearConfig]:
+    """(N, K) -> the tile measured fastest on this GPU model for 16-bit weights; {} for a GPU never tuned."""
+    if not TUNED_CONFIGS.exists():
+        return {}
+    shapes = json.loads(TUNED_CONFIGS.read_text())["devices"].get(device_name, {})
+    return {tuple(map(int, nk.split("x"))): LinearConfig(**entry["config"]) for nk, entry in shapes.items()}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def linear_config(n: int, k: int, dtype: torch.dtype, device_name: str | None = None) -> LinearConfig:
+    """The tile for a [*, k] x [n, k]^T product: from the weight's shape and dtype (and the GPU model, where
+    TUNED_CONFIGS has this shape for it) only, never from M. The rule's long K is split (a fixed count from K alone:
+    a batch-1 step of down_proj otherwise walks K serially on few programs)."""
+    if device_name is not None and dtype.itemsize == 2 and (n, k) in tuned_configs(device_name):
+        return tuned_configs(device_name)[(n, k)]
     block_n = min(_MAX_BLOCK_N, max(_MIN_BLOCK, next_power_of_2(triton.cdiv(n, _TARGET_N_TILES))))
     block_k = min(32 if dtype == torch.float32 else 64, max(_MIN_BLOCK, next_power_of_2(k)))
     split_k = min(_MAX_SPLIT_K, triton.cdiv(k, _K_PER_SPLIT))
@@ -143,7 +167,7 @@ def linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    c = config or linear_config(n, k, x.dtype)
+    c = config or linear_config(n, k, x.dtype, _device_name(x.device.index or 0) if x.is_cuda else None)
     upcast = x.device.type == "cpu" or x.dtype == torch.float32  # CPU: the interpreter (TRITON_INTERPRET=1)
     k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
     split_k = triton.cdiv(k, k_per_split)  # (a K shorter than split_k tiles has fewer ranges)

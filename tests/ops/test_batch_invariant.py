@@ -100,6 +100,33 @@ def test_linear_tile_follows_the_weight_only():
     assert "M" in list(options["do_not_specialize"])
 
 
+def test_a_tuned_tile_serves_its_gpu_and_shape_only(tmp_path, monkeypatch):
+    """TUNED_CONFIGS' tile for (GPU model, N, K) replaces the rule there, in 16 bits; other GPUs, other shapes and
+    fp32 keep the rule. The sweep's writer merges a GPU's tiles beside other GPUs' (experiments/bench_invariant_gemm)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    from bench_invariant_gemm import write_tuned
+
+    path = tmp_path / "tuned.json"
+    tile = bi.LinearConfig(block_m=64, block_n=32, block_k=128, split_k=2, num_warps=8, num_stages=4)
+    write_tuned(path, "GPU A", {(3072, 2048): (tile, {1: 10.0}, {1: 9.0})})
+    write_tuned(path, "GPU B", {(3072, 2048): (bi.LinearConfig(64, 16, 64), {1: 10.0}, {1: 9.0})})
+    monkeypatch.setattr(bi, "TUNED_CONFIGS", path)
+    bi.tuned_configs.cache_clear()
+    try:
+        rule = bi.linear_config(3072, 2048, torch.bfloat16)
+        assert bi.linear_config(3072, 2048, torch.bfloat16, "GPU A") == tile
+        assert bi.linear_config(3072, 2048, torch.float16, "GPU A") == tile
+        assert bi.linear_config(3072, 2048, torch.bfloat16, "GPU B").block_n == 16
+        assert bi.linear_config(3072, 2048, torch.float32, "GPU A") == bi.linear_config(3072, 2048, torch.float32)
+        assert bi.linear_config(3072, 2048, torch.bfloat16, "GPU C") == rule
+        assert bi.linear_config(2048, 2048, torch.bfloat16, "GPU A") == bi.linear_config(2048, 2048, torch.bfloat16)
+    finally:
+        bi.tuned_configs.cache_clear()
+
+
 # ---------------------------------------------------------------- attention
 
 
