@@ -40,7 +40,7 @@ def _config_name(c) -> str:
     return f"{c.block_m}x{c.block_n}x{c.block_k}/{c.split_k} w{c.num_warps}s{c.num_stages}"
 
 
-def tune(weight: torch.Tensor, xs: dict[int, torch.Tensor], cublas: dict[int, float], device: torch.device):
+def tune(weights: list[torch.Tensor], xs: dict[int, torch.Tensor], cublas: dict[int, float], device: torch.device):
     """--sweep: the tile whose worst ratio to cuBLAS over the Ms is lowest (one tile serves every M: that is what
     keeps a row's bits independent of M). Two stages: BLOCK_N x split-K at linear_config's K step, then the K step,
     warps and stages around the best. Returns (config, {M: µs}); tiles that do not fit the GPU are skipped."""
@@ -50,7 +50,7 @@ def tune(weight: torch.Tensor, xs: dict[int, torch.Tensor], cublas: dict[int, fl
 
     def timed(c) -> dict[int, float] | None:
         try:
-            return {m: bench_us(lambda c=c, x=x: linear(x, weight, config=c), device) for m, x in xs.items()}
+            return {m: graph_us(lambda w, c=c, x=x: linear(x, w, config=c), weights, device) for m, x in xs.items()}
         except Exception as e:  # triton's OutOfResources (shared memory) and the like: not a candidate here
             print(f"  skip {_config_name(c)}: {type(e).__name__}", flush=True)
             return None
@@ -59,19 +59,37 @@ def tune(weight: torch.Tensor, xs: dict[int, torch.Tensor], cublas: dict[int, fl
         results = {c: t for c in dict.fromkeys(candidates) if (t := timed(c)) is not None}
         return min(results.items(), key=lambda ct: max(ct[1][m] / cublas[m] for m in xs))
 
-    base = replace(linear_config(*weight.shape, weight.dtype), num_warps=4, num_stages=3)
+    base = replace(linear_config(*weights[0].shape, weights[0].dtype), num_warps=4, num_stages=3)
     top, _ = best(replace(base, block_n=bn, split_k=sk) for bn in (16, 32, 64, 128) for sk in (1, 2, 4, 8))
     return best(replace(top, block_k=bk, num_warps=w, num_stages=st)
                 for bk in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3), (8, 4)))
 
 
-def bench_us(fn, device: torch.device) -> float:
-    """µs per call: gpu_ms's do_bench, shorter (the sweep times hundreds of candidates)."""
+def graph_us(fn, weights: list[torch.Tensor], device: torch.device) -> float:
+    """µs per call of fn(w) over the weights, all calls captured in one CUDA graph as in a model's decode graph: no
+    host launch time between them (a Triton launch costs tens of µs of host time, more than a small GEMM's kernel;
+    timing calls one by one measured that instead, session 26) and no L2 hit across them (distinct weights, as across
+    layers; triton's do_bench flushes the L2 between replays)."""
     if device.type != "cuda":
-        return gpu_ms(fn, device) * 1e3
+        return gpu_ms(lambda: [fn(w) for w in weights], device) * 1e3 / len(weights)
     import triton
 
-    return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles (a tile that does not fit raises here, outside the capture)
+        for w in weights:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / len(weights)
+
+
+def weight_copies(n: int, k: int, dtype: torch.dtype) -> int:
+    """Distinct weights per timing graph: enough to overflow a Hopper L2 (50 MB) by 2x, 2 to 16."""
+    return max(2, min(16, -(-100_000_000 // (n * k * dtype.itemsize))))
 
 
 def write_tuned(path: Path, device_name: str, tuned: dict[tuple[int, int], tuple[Any, dict[int, float], dict]]):
@@ -99,12 +117,14 @@ def measure(args) -> dict[str, Any]:
     rows, tuned = [], {}
     for layer, (n, k) in projections(shape).items():
         weight = torch.randn(n, k, generator=gen).to(device, dtype)
+        copies = weight_copies(n, k, dtype) if device.type == "cuda" else 1  # (the L2 question is a GPU's)
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         x_max = torch.randn(max(args.m), k, generator=gen).to(device, dtype)
         first = {}
         for m in args.m:
             x = x_max[:m]
-            cublas = gpu_ms(lambda x=x, w=weight: torch.nn.functional.linear(x, w), device) * 1e3
-            invariant = gpu_ms(lambda x=x, w=weight: linear(x, w), device) * 1e3
+            cublas = graph_us(lambda w, x=x: torch.nn.functional.linear(x, w), weights, device)
+            invariant = graph_us(lambda w, x=x: linear(x, w), weights, device)
             first[m] = (torch.nn.functional.linear(x, weight)[0], linear(x, weight)[0])
             c = linear_config(n, k, dtype, torch.cuda.get_device_name(device) if device.type == "cuda" else None)
             rows.append({"layer": layer, "n": n, "k": k, "m": m, "cublas_us": cublas, "invariant_us": invariant,
@@ -113,7 +133,7 @@ def measure(args) -> dict[str, Any]:
         if args.sweep:
             xs = {m: x_max[:m] for m in args.m}
             cublas = {r["m"]: r["cublas_us"] for r in layer_rows}
-            config, us = tune(weight, xs, cublas, device)
+            config, us = tune(weights, xs, cublas, device)
             tuned[(n, k)] = (config, us, cublas)
             for row in layer_rows:
                 row["best_tile"], row["best_us"] = _config_name(config), us[row["m"]]
@@ -129,7 +149,8 @@ def measure(args) -> dict[str, Any]:
 def render(payload: dict[str, Any]) -> str:
     lines = [env_line(payload["env"]), "",
              f"The batch-invariant GEMM against cuBLAS, {payload['shape_name']} shape, {payload['dtype']}: µs per "
-             "call (median of triton's do_bench), and whether the first row's bits change from the smallest M. "
+             "call (median of triton's do_bench over a CUDA graph of calls on distinct weights: `graph_us`), "
+             "and whether the first row's bits change from the smallest M. "
              + repeats_line(payload), "",
              "| layer | N x K | M | cuBLAS µs | invariant µs | ratio | tile (M x N x K / split-K, warps, stages) | "
              "best of --sweep | its µs | cuBLAS row changes | invariant row changes |",
