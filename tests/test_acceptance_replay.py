@@ -65,7 +65,10 @@ def test_profile_constructors_and_expected_tau(tmp_path):
     # conditional rates: position 2 judged only where position 1 was accepted
     steps = [[3, 0], [3, 1], [3, 3], [2, 2], [3, 1]]
     assert profile_from_steps(steps, 3, "s").per_position == pytest.approx((4 / 5, 2 / 4, 1 / 1))
-    assert profile_from_rates([0.5, 0.5], "r", trace=[[2, 1]]).trace == ((2, 1),)
+    assert profile_from_rates([0.5, 0.5], "r", traces=[[[2, 1]]]).traces == (((2, 1),),)
+    one = {**PROFILE, "trace": [[3, 1]]}  # one trace for every request: read as traces of one
+    assert load_profile(one).traces == (((3, 1),),) and load_profile(one) == load_profile(
+        {**PROFILE, "traces": [[[3, 1]]]})
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -73,6 +76,9 @@ def test_profile_constructors_and_expected_tau(tmp_path):
     ({**PROFILE, "per_position": [0.8]}, "3 rates in"),
     ({**PROFILE, "source": ""}, "source"),
     ({**PROFILE, "trace": [[3, 4]]}, "trace"),
+    ({**PROFILE, "traces": [[[3, 1]], [[3, 4]]]}, "trace"),
+    ({**PROFILE, "traces": []}, "traces"),
+    ({**PROFILE, "trace": [[3, 1]], "traces": [[[3, 1]]]}, "not both"),
     ({**PROFILE, "extra": 1}, "unknown"),
     ("/nonexistent/profile.json", "no profile file"),
 ])
@@ -109,6 +115,17 @@ def test_a_trace_replays_in_order_per_request():
     _, traces = _run(EAGLE3, {**PROFILE, "trace": trace}, prompts=PROMPTS[:2], max_tokens=40)
     for steps in traces.values():
         assert len(steps) > len(trace)
+        assert [a for _, a in steps] == [min(trace[c % len(trace)][1], d) for c, (d, _) in enumerate(steps)]
+
+
+def test_each_request_replays_its_own_trace_in_prompt_order():
+    """With per-request traces, the i-th request to verify (prompt order: one row, requests in turn) replays trace
+    i mod len(traces): here request 2 replays trace 0 again."""
+    own = [[[3, 3], [3, 0]], [[3, 1]]]
+    _, traces = _run(EAGLE3, {**PROFILE, "traces": own}, prompts=PROMPTS[:3], max_tokens=30, max_num_seqs=1)
+    assert len(traces) == 3
+    for i, steps in enumerate(traces.values()):  # (AcceptanceMetrics keeps the requests in the order they verified)
+        trace = own[i % len(own)]
         assert [a for _, a in steps] == [min(trace[c % len(trace)][1], d) for c, (d, _) in enumerate(steps)]
 
 
@@ -185,26 +202,27 @@ def test_harness_marks_a_replayed_run_and_drops_the_output_comparison(tmp_path):
 
 
 def test_a_recorded_profile_replays_to_the_runs_own_tau(tmp_path):
-    """record_acceptance=true writes the run's profile. Replayed on the same run (one request, so the verify steps are
-    its verifications): by its trace, the very same counts (the same tau and steps); by its rates alone, the recorded
-    tau within Z standard deviations of both runs' means."""
-    one = ("baseline=null", "workload.num_requests=1", "workload.max_tokens=400")
+    """record_acceptance=true writes the run's profile. Replayed on the same run (two requests one after the other):
+    by their traces, the very same counts (the same tau and steps); by its rates alone, the recorded tau within Z
+    standard deviations of both runs' means."""
+    one = ("baseline=null", "workload.num_requests=2", "runner.max_num_seqs=1", "workload.max_tokens=200")
     real = _harness(tmp_path, "real", "record_acceptance=true", *one)
     path = tmp_path / "real" / "acceptance_profile.json"
     profile = load_profile(str(path))
     assert real["acceptance_profile"] == str(path) and str(tmp_path / "real") in profile.source
     assert "acceptance" not in real["summary"]
     tau = real["summary"]["mean_acceptance_length"]
-    assert 1 + sum(a for _, a in profile.trace) / len(profile.trace) == pytest.approx(tau)
+    steps = [step for trace in profile.traces for step in trace]
+    assert len(profile.traces) == 2 and 1 + sum(a for _, a in steps) / len(steps) == pytest.approx(tau)
     traced = _harness(tmp_path, "traced", f"acceptance_replay={path}", *one)["summary"]
     assert traced["mean_acceptance_length"] == pytest.approx(tau)
-    assert traced["num_verify_steps"] == real["summary"]["num_verify_steps"] == len(profile.trace)
+    assert traced["num_verify_steps"] == real["summary"]["num_verify_steps"] == len(steps)
     rates_only = write_profile(profile_from_rates(profile.per_position, profile.source), tmp_path / "rates.json")
     replayed = _harness(tmp_path, "rates", f"acceptance_replay={rates_only}", *one)["summary"]
     s = _survival(profile.per_position, K)
     sd = math.sqrt(sum((2 * j + 1) * x for j, x in enumerate(s)) - sum(s) ** 2)  # of one step's n
     assert abs(replayed["mean_acceptance_length"] - tau) <= Z * sd * math.sqrt(
-        1 / len(profile.trace) + 1 / replayed["num_verify_steps"])
+        1 / len(steps) + 1 / replayed["num_verify_steps"])
 
 
 def test_harness_refuses_recording_a_replay(tmp_path):

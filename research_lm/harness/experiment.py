@@ -288,14 +288,14 @@ def check_acceptance_options(cfg: DictConfig) -> None:
 
 def recorded_profile(metrics: AcceptanceMetrics, outputs: list, k: int, source: str) -> AcceptanceProfile | None:
     """The run's acceptance profile: per-position conditional rates over every request's verify steps, and the
-    trace of the first request (prompt order) that verified drafts; None (said on stdout) where none did."""
+    trace of every request that verified drafts, in prompt order; None (said on stdout) where none did."""
     traces = metrics.traces or {}
     steps = [step for trace in traces.values() for step in trace]
     if not steps:
         print("record_acceptance: the run verified no drafts; no acceptance_profile.json", flush=True)
         return None
-    first = next(traces[o.request_id] for o in outputs if o is not None and traces.get(o.request_id))
-    return profile_from_steps(steps, k, source, trace=first)
+    in_order = [traces[o.request_id] for o in outputs if o is not None and traces.get(o.request_id)]
+    return profile_from_steps(steps, k, source, traces=in_order)
 
 
 def with_spec_head(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict[str, Any] | None]:

@@ -10,16 +10,21 @@ A profile is a JSON file (or the same dict):
     {"source": "vLLM #20780 EAGLE-3 Llama-3.1-8B MT-bench K=4",   # free text: where the numbers come from
      "num_speculative_tokens": k,
      "per_position": [a_1, ..., a_k],   # a_j = P(draft j accepted | drafts 1 .. j-1 accepted)
-     "trace": [[num_drafts, num_accepted], ...] | null}   # one request's verify steps, in order (optional)
+     "traces": [[[num_drafts, num_accepted], ...], ...] | null}   # per request, its verify steps in order (optional)
+
+("trace": [[num_drafts, num_accepted], ...], one trace that every request replays, is read as "traces": [trace].)
 
 Replayed count n of a request in a verify step (then capped by its real drafts this step):
 - without a trace: n = the leading run of j with u_j < a_j, the u_j counter-based uniforms of the REPLAY stream at
   (the request's seed, its token count on the device), so a request's counts depend on nothing else in the batch;
-- with a trace: entry c of the trace's num_accepted, c = the request's own verify steps so far (each step that
-  verifies draft slots of it), from the start again after the last entry. Every request replays the same trace.
+- with traces: the i-th request to verify drafts (0, 1, ...: prompt order where requests are admitted in order)
+  replays trace i mod len(traces): entry c of its num_accepted, c = the request's own verify steps so far (each step
+  that verifies draft slots of it), from the start again after the last entry.
 A profile of k positions serves a run of k' <= k drafts (its first k' rates: conditional rates truncate exactly);
 k' > k is refused. A run with `record_acceptance=true` (research_lm/harness/experiment.py) writes its own profile:
-the rates measured over all its requests, the trace of its first request.
+the rates measured over all its requests, and every request's trace in prompt order, so that replaying the same
+workload gives each request its own counts (one request's trace for all: tau 5.57 replayed against 4.27 measured on
+the GPU reference pair, session 26).
 
 The request then emits its first n drafts and the target's token at row n (`StepReplay.apply`), all on the device
 without a host sync. Where a "verified" draft graph re-derives acceptance from the verify's argmax rows, those rows
@@ -49,12 +54,13 @@ class AcceptanceProfile:
     source: str
     num_speculative_tokens: int
     per_position: tuple[float, ...]  # [k] conditional acceptance rates
-    trace: tuple[tuple[int, int], ...] | None = None  # (num_drafts, num_accepted) per verify step, in order
+    traces: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per request: (num_drafts, num_accepted) per
+    # verify step, in order
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["per_position"] = list(self.per_position)
-        d["trace"] = None if self.trace is None else [list(s) for s in self.trace]
+        d["traces"] = None if self.traces is None else [[list(s) for s in t] for t in self.traces]
         return d
 
 
@@ -81,9 +87,11 @@ def load_profile(spec: ProfileSpec) -> AcceptanceProfile:
             raise ValueError(f"acceptance_replay: {str(path)!r} is not JSON ({e})") from None
     if not isinstance(spec, dict):
         raise ValueError(f"acceptance_replay must be a profile's path or dict, got {type(spec).__name__}")
-    unknown = set(spec) - {"source", "num_speculative_tokens", "per_position", "trace"}
+    unknown = set(spec) - {"source", "num_speculative_tokens", "per_position", "trace", "traces"}
     if unknown:
         raise ValueError(f"acceptance profile: unknown key(s) {sorted(unknown)}")
+    if spec.get("trace") is not None and spec.get("traces") is not None:
+        raise ValueError("acceptance profile: give 'trace' (one for every request) or 'traces' (per request), not both")
     source, k, rates = spec.get("source"), spec.get("num_speculative_tokens"), spec.get("per_position")
     if not isinstance(source, str) or not source.strip():
         raise ValueError("acceptance profile: 'source' must say where the numbers come from (a non-empty string)")
@@ -92,12 +100,16 @@ def load_profile(spec: ProfileSpec) -> AcceptanceProfile:
     if (not isinstance(rates, list | tuple) or len(rates) != k
             or not all(isinstance(a, int | float) and not isinstance(a, bool) and 0.0 <= a <= 1.0 for a in rates)):
         raise ValueError(f"acceptance profile: 'per_position' must be {k} rates in [0, 1], got {rates!r}")
-    return AcceptanceProfile(source, k, tuple(float(a) for a in rates), _trace(spec.get("trace")))
+    traces = spec.get("traces")
+    if spec.get("trace") is not None:
+        traces = [spec["trace"]]
+    elif traces is not None and (not isinstance(traces, list | tuple) or not traces):
+        raise ValueError("acceptance profile: 'traces' must be null or a non-empty list of traces")
+    return AcceptanceProfile(source, k, tuple(float(a) for a in rates),
+                             None if traces is None else tuple(_trace(t) for t in traces))
 
 
-def _trace(trace: Any) -> tuple[tuple[int, int], ...] | None:
-    if trace is None:
-        return None
+def _trace(trace: Any) -> tuple[tuple[int, int], ...]:
     ok = isinstance(trace, list | tuple) and len(trace) > 0 and all(
         isinstance(s, list | tuple) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
         and 0 <= s[1] <= s[0] and s[0] >= 1 for s in trace)
@@ -124,11 +136,11 @@ def expected_tau(profile: AcceptanceProfile, k: int | None = None) -> float:
 
 
 def profile_from_rates(per_position: Sequence[float], source: str,
-                       trace: Iterable[Sequence[int]] | None = None) -> AcceptanceProfile:
-    """A profile from conditional per-position rates (and a trace), checked as a loaded one."""
-    steps = None if trace is None else [list(s) for s in trace]
+                       traces: Iterable[Iterable[Sequence[int]]] | None = None) -> AcceptanceProfile:
+    """A profile from conditional per-position rates (and per-request traces), checked as a loaded one."""
+    steps = None if traces is None else [[list(s) for s in t] for t in traces]
     return load_profile({"source": source, "num_speculative_tokens": len(per_position),
-                         "per_position": list(per_position), "trace": steps})
+                         "per_position": list(per_position), "traces": steps})
 
 
 def profile_from_tau(tau: float, k: int, source: str) -> AcceptanceProfile:
@@ -145,7 +157,7 @@ def profile_from_tau(tau: float, k: int, source: str) -> AcceptanceProfile:
 
 
 def profile_from_steps(steps: Iterable[Sequence[int]], k: int, source: str,
-                       trace: Iterable[Sequence[int]] | None = None) -> AcceptanceProfile:
+                       traces: Iterable[Iterable[Sequence[int]]] | None = None) -> AcceptanceProfile:
     """The conditional rates measured from verify steps (num_drafts, num_accepted): a_j = steps that accepted draft j
     / steps that judged it (had it, and accepted drafts 1 .. j-1): their maximum-likelihood estimate; 0 for a
     position no step judged."""
@@ -154,7 +166,7 @@ def profile_from_steps(steps: Iterable[Sequence[int]], k: int, source: str,
         for j in range(min(a + 1, d, k)):
             judged[j] += 1
             accepted[j] += j < a
-    return profile_from_rates([a / n if n else 0.0 for a, n in zip(accepted, judged)], source, trace)
+    return profile_from_rates([a / n if n else 0.0 for a, n in zip(accepted, judged)], source, traces)
 
 
 class AcceptanceReplay:
@@ -168,8 +180,9 @@ class AcceptanceReplay:
         self.profile = profile
         self.source = profile.source
         self.rates = torch.tensor(profile.per_position[:num_speculative_tokens], dtype=torch.float32, device=device)
-        self._trace = [a for _, a in profile.trace] if profile.trace else None
-        self._cursor: dict[str, int] = {}  # request id -> its verify steps so far (trace mode)
+        self._traces = [[a for _, a in t] for t in profile.traces] if profile.traces else None
+        self._cursor: dict[str, list[int]] = {}  # request id -> [its trace, its verify steps so far] (trace mode)
+        self._num_seen = 0  # requests that verified so far: the next one replays trace _num_seen mod len(traces)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -184,7 +197,7 @@ class AcceptanceReplay:
     ) -> torch.Tensor:  # [n] int64 on the device: replayed accepted drafts, <= num_real
         """The replayed counts, without a host sync."""
         k = max(num_drafts, default=0)
-        if self._trace is not None:
+        if self._traces is not None:
             replayed = to_device([self._next(r.request_id) if d else 0 for r, d in zip(requests, num_drafts)],
                                  torch.int64, num_real.device)
         else:
@@ -194,9 +207,12 @@ class AcceptanceReplay:
         return torch.minimum(replayed, num_real.to(torch.int64))
 
     def _next(self, request_id: str) -> int:
-        c = self._cursor.get(request_id, 0)
-        self._cursor[request_id] = c + 1
-        return self._trace[c % len(self._trace)]
+        if request_id not in self._cursor:
+            self._cursor[request_id] = [self._num_seen % len(self._traces), 0]
+            self._num_seen += 1
+        cursor = self._cursor[request_id]
+        trace, cursor[1] = self._traces[cursor[0]], cursor[1] + 1
+        return trace[(cursor[1] - 1) % len(trace)]
 
 
 @dataclass(frozen=True)
