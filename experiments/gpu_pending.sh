@@ -81,6 +81,12 @@
 # spec_transfer_8b_h200, ab_issue28_ablation_eagle3_b8_h200, bench_decode_batch_invariant_h200,
 # bench_throughput_batch_invariant_h200 (and spec_mtp_h200 once its DeepSeek reference script lands).
 #   bash experiments/gpu_pending.sh bi | replay | tp_mamba
+# Session 26 (2 x H200, experiments/gpu_lanes.sh's way) ran `tests`, `tp_mamba` and `bi` at 6fdec22 (all passed but a
+# test bug, fixed), `replay`, the batch-invariance tables, spec_ablation_batch_invariant_h200 and
+# ab_issue28_ablation_eagle3_b8_h200; spec_tree_h200 and spec_suffix_h200 were cut by their timeouts (PERFORMANCE.md,
+# twenty-fifth pass). Next: `bi` again (its sweep now times calls in a CUDA graph; it rewrites the tuned tiles), then
+# the two batch-invariance tables; `replay` (per-request traces since df435ae); spec_tree_h200 with --gpus 2 (~9 min of
+# parts at one GPU each: give it 2 lanes' worth); spec_transfer_8b_h200; spec_mtp_h200.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
@@ -129,10 +135,11 @@ case ${1:-tests} in
       python experiments/bench_spec_host.py --method eagle3 --batch $b --name bench_spec_host_eagle3_b$b
       python experiments/bench_spec_host.py --method ngram --batch $b --name bench_spec_host_ngram_b$b
     done ;;
-  bi)  # issue 35: the GPU proofs, then the invariant GEMM against cuBLAS with the (BLOCK_N, split-K) sweep, ~3 min
+  bi)  # issue 35: the GPU proofs, then the invariant GEMM against cuBLAS and the tile sweep that rewrites the tuned tiles
     python -m pytest tests/test_batch_invariant_gpu.py tests/ops/test_batch_invariant.py -m "gpu or not gpu" \
       -p no:cacheprovider -rfE -q
-    (cd experiments && python bench_invariant_gemm.py --sweep --out ../outputs/bi_gemm) ;;
+    (cd experiments && python bench_invariant_gemm.py --sweep --m 1 64 256 --out ../outputs/bi_gemm \
+      --tune ../research_lm/assets/tuned/batch_invariant_gemm.json) ;;
   replay)  # issue 30 item 3: the reference pair's EAGLE-3 at batch 1 recorded, then its own profile replayed, 3 seeds
     [ -d outputs/reference/target ] || SIDE_BY_SIDE=1 bash experiments/train_reference.sh outputs/reference
     common="experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf \
