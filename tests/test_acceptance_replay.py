@@ -140,16 +140,23 @@ def test_a_requests_replayed_counts_do_not_depend_on_its_batch(temperature):
     assert alone["0"] == batched["0"] and len(alone["0"]) > 10
 
 
-def test_verify_graphs_with_drafting_behind_them_replay_as_eager_steps():
+@pytest.mark.parametrize("profile", [PROFILE, {**PROFILE, "traces": [[[3, 3], [3, 1], [3, 0]], [[3, 2]]]}],
+                         ids=["rates", "traces"])
+def test_verify_graphs_with_drafting_behind_them_replay_as_eager_steps(profile, monkeypatch):
     """Verify graphs (re-run on CPU, the triton backend interpreted), EAGLE-3's "verified" draft graphs and async
-    scheduling: the replayed counts and tokens equal the synchronous eager engine's. The draft graph re-derives
-    acceptance from the verify's argmax, which the replay rewrites; were it not, the drafter would enter other tokens
-    and the tokens would differ."""
+    scheduling: the graphs compute the replayed counts themselves (`replay_greedy`), and the counts and tokens equal
+    the synchronous eager engine's. The draft graph re-derives acceptance from the verify's argmax, which the replay
+    rewrites; were it not, the drafter would enter other tokens and the tokens would differ."""
+    from research_lm.worker import cuda_graphs
+
+    in_graph = []
+    replay_greedy = cuda_graphs.replay_greedy
+    monkeypatch.setattr(cuda_graphs, "replay_greedy", lambda *a: in_graph.append(1) or replay_greedy(*a))
     knobs = dict(block_size=4, max_num_batched_tokens=16, num_gpu_blocks=60, max_model_len=64,
                  attention_backend="triton", enable_prefix_caching=False)
     prompts, params = PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, seed=3)
-    eager, eager_steps = _run(EAGLE3, PROFILE, prompts=prompts, max_tokens=24, **knobs)
-    llm = LLM("tiny-llama", **(KNOBS | knobs), speculative_config=EAGLE3, acceptance_replay=PROFILE,
+    eager, eager_steps = _run(EAGLE3, profile, prompts=prompts, max_tokens=24, **knobs)
+    llm = LLM("tiny-llama", **(KNOBS | knobs), speculative_config=EAGLE3, acceptance_replay=profile,
               async_scheduling=True)
     assert llm.engine.runner.capture_cuda_graphs([1, 2, 4], prefill_sizes=[], capture=eager_capture) is None
     proposer, early = llm.engine.runner.proposer, []
@@ -158,6 +165,7 @@ def test_verify_graphs_with_drafting_behind_them_replay_as_eager_steps():
     llm.engine.metrics = AcceptanceMetrics(traces={})
     graphs = llm.generate(prompts, params, use_tqdm=False)
     assert sum(d is not None and d.in_table for d in early) >= 3, "drafted behind the verify graph"
+    assert len(in_graph) >= 3, "the verify graphs computed the replay"
     assert llm.engine.metrics.traces == eager_steps
     assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 

@@ -150,7 +150,8 @@ class LLMEngine:
         if proposer.token_tree is not None:
             raise ValueError("acceptance_replay replays chains only: drop the token tree (speculative_token_tree, "
                              "topk, suffix_decoding_tree) or the replay")
-        replay = AcceptanceReplay(load_profile(self.config.acceptance_replay), proposer.num_speculative_tokens, device)
+        replay = AcceptanceReplay(load_profile(self.config.acceptance_replay), proposer.num_speculative_tokens, device,
+                                  self.config.max_num_seqs)
         logger.warning("acceptance is replayed from %r: verify steps keep the profile's draft counts, so the outputs "
                        "are not the model's; only timing and counts mean anything", replay.source)
         return replay

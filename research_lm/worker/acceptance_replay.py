@@ -17,9 +17,10 @@ A profile is a JSON file (or the same dict):
 Replayed count n of a request in a verify step (then capped by its real drafts this step):
 - without a trace: n = the leading run of j with u_j < a_j, the u_j counter-based uniforms of the REPLAY stream at
   (the request's seed, its token count on the device), so a request's counts depend on nothing else in the batch;
-- with traces: the i-th request to verify drafts (0, 1, ...: prompt order where requests are admitted in order)
+- with traces: the i-th request admitted to the runner (0, 1, ...: prompt order, as the scheduler admits them)
   replays trace i mod len(traces): entry c of its num_accepted, c = the request's own verify steps so far (each step
-  that verifies draft slots of it), from the start again after the last entry.
+  that verifies draft slots of it), from the start again after the last entry; a preempted request that comes back
+  counts as a new one.
 A profile of k positions serves a run of k' <= k drafts (its first k' rates: conditional rates truncate exactly);
 k' > k is refused. A run with `record_acceptance=true` (research_lm/harness/experiment.py) writes its own profile:
 the rates measured over all its requests, and every request's trace in prompt order, so that replaying the same
@@ -27,8 +28,11 @@ workload gives each request its own counts (one request's trace for all: tau 5.5
 the GPU reference pair, session 26).
 
 The request then emits its first n drafts and the target's token at row n (`StepReplay.apply`), all on the device
-without a host sync. Where a "verified" draft graph re-derives acceptance from the verify's argmax rows, those rows
-are rewritten to agree (`forge_argmax`), so drafting behind the verify graph and async launch stay on. Chains only.
+without a host sync. The counts come from device tables alone (each row's seed, trace and place in it), so a verify
+graph computes them, and the emitted tokens, inside itself where it accepts greedily (`replay_greedy`, the same
+numbers as an eager step): a replayed plain-greedy step costs what a real one does. Where a "verified" draft graph
+re-derives acceptance from the verify's argmax rows, those rows are rewritten to agree (`forge_argmax`), so drafting
+behind the verify graph and async launch stay on. Chains only.
 """
 
 from __future__ import annotations
@@ -170,49 +174,91 @@ def profile_from_steps(steps: Iterable[Sequence[int]], k: int, source: str,
 
 
 class AcceptanceReplay:
-    """The engine's replay of one profile (module docstring): per verify step, each request's replayed count."""
+    """The engine's replay of one profile (module docstring): per verify step, each request's replayed count, from
+    device tables alone (its seed, its trace and its place in it, by table row), so that a verify graph computes the
+    counts inside itself exactly as an eager step does."""
 
-    def __init__(self, profile: AcceptanceProfile, num_speculative_tokens: int, device: torch.device):
+    def __init__(self, profile: AcceptanceProfile, num_speculative_tokens: int, device: torch.device,
+                 max_num_reqs: int):
         if num_speculative_tokens > profile.num_speculative_tokens:
             raise ValueError(f"acceptance_replay: the profile ({profile.source}) has rates for "
                              f"{profile.num_speculative_tokens} draft positions; the run drafts "
                              f"{num_speculative_tokens} (num_speculative_tokens)")
         self.profile = profile
         self.source = profile.source
+        self.device = device
         self.rates = torch.tensor(profile.per_position[:num_speculative_tokens], dtype=torch.float32, device=device)
-        self._traces = [[a for _, a in t] for t in profile.traces] if profile.traces else None
-        self._cursor: dict[str, list[int]] = {}  # request id -> [its trace, its verify steps so far] (trace mode)
-        self._num_seen = 0  # requests that verified so far: the next one replays trace _num_seen mod len(traces)
+        self.seeds = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [R] each row's request seed
+        self.traces = self.trace_lens = None
+        if profile.traces:
+            width = max(len(t) for t in profile.traces)
+            self.traces = torch.tensor([[a for _, a in t] + [0] * (width - len(t)) for t in profile.traces],
+                                       dtype=torch.int64, device=device)  # [T, L] num_accepted, padded
+            self.trace_lens = torch.tensor([len(t) for t in profile.traces], dtype=torch.int64, device=device)
+        self.trace_of = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [R] the row's trace
+        self.cursor = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [R] its verify steps so far
+        self._admitted: set[str] = set()
+        self._num_admitted = 0  # the next request admitted replays trace _num_admitted mod T
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        for request_id in request_ids:
-            self._cursor.pop(request_id, None)
+    def admit(self, gone: Iterable[str], requests: Sequence[Any], row_of: dict[str, int]) -> None:
+        """Forget the requests gone (a request preempted and back is admitted anew); then the step's requests new to
+        the replay (engine Requests, in the step's order): their row's seed, trace (the i-th admitted replays trace
+        i mod T) and cursor, in one copy. Call before the step's forward."""
+        self._admitted.difference_update(gone)
+        new = [r for r in requests if r.request_id not in self._admitted]
+        if not new:
+            return
+        self._admitted.update(r.request_id for r in new)
+        n, traces = len(new), len(self.profile.traces or ()) or 1
+        which = [(self._num_admitted + i) % traces for i in range(n)]
+        self._num_admitted += n
+        up = to_device([row_of[r.request_id] for r in new] + [r.seed for r in new] + which, torch.int64, self.device)
+        rows, seeds, which_t = up.split(n)
+        self.seeds.index_copy_(0, rows, seeds)
+        self.trace_of.index_copy_(0, rows, which_t)
+        self.cursor.index_fill_(0, rows, 0)
 
     def counts(
         self,
-        requests: Sequence[Any],  # the step's sampling requests (engine Request), in batch order
-        num_drafts: Sequence[int],  # [n] draft slots each verifies this step (host)
+        rows: torch.Tensor,  # [n] int64 on the device: each request's table row, -1 for a graph's padding
         num_tokens: torch.Tensor,  # [n] int on the device: each request's tokens before this step (prompt + outputs)
-        num_real: torch.Tensor,  # [n] int on the device: its real drafts
-    ) -> torch.Tensor:  # [n] int64 on the device: replayed accepted drafts, <= num_real
-        """The replayed counts, without a host sync."""
-        k = max(num_drafts, default=0)
-        if self._traces is not None:
-            replayed = to_device([self._next(r.request_id) if d else 0 for r, d in zip(requests, num_drafts)],
-                                 torch.int64, num_real.device)
-        else:
-            u = rng.uniform_rows([r.seed for r in requests], num_tokens.to(torch.int64), rng.REPLAY, k,
-                                 num_real.device)  # [n, k]: slot j's uniform
-            replayed = (u < self.rates[:k]).long().cumprod(dim=1).sum(dim=1)
-        return torch.minimum(replayed, num_real.to(torch.int64))
+        k: int,  # draft slots at most
+    ) -> torch.Tensor:  # [n] int64 on the device: replayed accepted drafts (uncapped by the real ones)
+        """The replayed counts, device ops only and no side effect (a verify graph computes them whether or not the
+        host then takes its acceptance; `advance` moves the traces on, once per verify step)."""
+        safe = rows.clamp(min=0)
+        if self.traces is not None:
+            which = self.trace_of[safe]
+            return self.traces[which, self.cursor[safe] % self.trace_lens[which]]
+        u = rng.uniform_rows(self.seeds[safe], num_tokens.to(torch.int64), rng.REPLAY, k, self.device)  # [n, k]
+        return (u < self.rates[:k]).long().cumprod(dim=1).sum(dim=1)
 
-    def _next(self, request_id: str) -> int:
-        if request_id not in self._cursor:
-            self._cursor[request_id] = [self._num_seen % len(self._traces), 0]
-            self._num_seen += 1
-        cursor = self._cursor[request_id]
-        trace, cursor[1] = self._traces[cursor[0]], cursor[1] + 1
-        return trace[(cursor[1] - 1) % len(trace)]
+
+    def advance(self, rows: torch.Tensor, verifies: torch.Tensor | None = None) -> None:
+        """After a verify step: the traces of its requests (rows [n] int64 on the device) that had draft slots
+        (verifies [n] bool; None: all) move on one entry."""
+        if self.traces is not None:
+            step = torch.ones_like(rows) if verifies is None else verifies.long()
+            self.cursor.index_add_(0, rows, step)
+
+
+def replay_greedy(logits: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tensor, count: torch.Tensor,
+                  real: torch.Tensor) -> torch.Tensor:
+    """A uniform verify step of plain-greedy requests under replay, device ops only (verify graphs run it): logits
+    [b, q, V], greedy [b, q] their argmax, drafts [b, q - 1], count [b] replayed counts (<= real [b]). Emitted [b, q]:
+    the first count drafts, then row count's argmax with draft count + 1 excluded where it is real (greedy
+    rejection's correction), -1 after; greedy's rows 0 .. count are rewritten to them (`forge_argmax`)."""
+    b, q = greedy.shape
+    k = q - 1
+    row = logits[torch.arange(b, device=logits.device), count]  # [b, V]: row n of each request
+    rejected = drafts.gather(1, count.clamp(max=k - 1)[:, None]).clamp(0, row.shape[-1] - 1)  # [b, 1]
+    hide = torch.where(count[:, None] < real[:, None], float("-inf"), row.gather(1, rejected))
+    last = row.scatter(1, rejected, hide).argmax(dim=-1)  # [b]
+    j = torch.arange(q, device=drafts.device)
+    padded = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1)
+    emitted = torch.where(j < count[:, None], padded, torch.where(j == count[:, None], last[:, None], -1))
+    forge_argmax(greedy.view(-1), emitted, count)
+    return emitted
 
 
 @dataclass(frozen=True)
@@ -220,12 +266,12 @@ class StepReplay:
     """One verify step's replay: the engine's `AcceptanceReplay` and each sampling request's token count."""
 
     replay: AcceptanceReplay
+    rows: torch.Tensor  # [n] int64 on the device: the sampling requests' table rows
     num_tokens: torch.Tensor  # [n] int on the device: prompt + outputs before the step
 
     def apply(
         self,
-        requests: Sequence[Any],  # the sampling requests (engine Request), in batch order
-        num_drafts: Sequence[int],  # [n] draft slots of each (host)
+        num_drafts: Sequence[int],  # [n] draft slots of each sampling request, in batch order (host)
         drafts: torch.Tensor,  # [n, k] int64: its draft slots (past num_real: anything)
         num_real: torch.Tensor,  # [n] int: real drafts
         emitted: torch.Tensor,  # [n, k + 1] int64: the real verification's tokens, -1 after
@@ -238,12 +284,13 @@ class StepReplay:
         For a plain-greedy request both are that argmax, so the emitted tokens are the argmax rows 0 .. n of a
         verify whose drafts 1 .. n were the argmax: what a "verified" draft graph reads (`forge_argmax`)."""
         n, k = drafts.shape
-        count = self.replay.counts(requests, num_drafts, self.num_tokens, num_real)  # [n] int64
+        count = torch.minimum(self.replay.counts(self.rows, self.num_tokens, k), num_real.to(torch.int64))
+        self.replay.advance(self.rows, to_device([d > 0 for d in num_drafts], torch.bool, drafts.device))
         if target_row is None:
-            rows = torch.arange(n, device=drafts.device) * (k + 1) + count
+            at = torch.arange(n, device=drafts.device) * (k + 1) + count
         else:
-            rows = target_row.gather(1, count[:, None])[:, 0]
-        row = logits[rows].float()  # [n, V]: row n of each request
+            at = target_row.gather(1, count[:, None])[:, 0]
+        row = logits[at].float()  # [n, V]: row n of each request
         rejected = drafts.gather(1, count.clamp(max=k - 1)[:, None]).clamp(0, row.shape[-1] - 1)  # [n, 1]
         hide = torch.where(count[:, None] < num_real[:, None], float("-inf"), row.gather(1, rejected))
         corrected = row.scatter(1, rejected, hide).argmax(dim=-1)  # [n]

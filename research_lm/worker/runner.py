@@ -79,9 +79,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.cuda_graphs: DecodeGraphs | None = None  # set by capture_cuda_graphs
-        k = proposer.num_speculative_tokens if proposer is not None else 0
         # A drafter's lookahead slots may reach past max_model_len.
-        lookahead = proposer.num_lookahead_tokens if proposer is not None else 0
+        k, lookahead = (proposer.num_speculative_tokens, proposer.num_lookahead_tokens) if proposer else (0, 0)
         max_blocks_per_req = -(-(max_model_len + lookahead) // block_size)
         self.buffers = buf = StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_req, device)
         self.state = RequestState(max_num_seqs, max_model_len, k, device)
@@ -97,9 +96,8 @@ class ModelRunner:
         self._host = HostIds(max_num_seqs * (k + 3), device)
         self._latest: PendingStep | None = None  # the last launched step
         # The residual streams the proposer reads (EAGLE-3), recorded by hooks: the model knows nothing of them.
-        self.taps = None
-        if proposer is not None and proposer.aux_hidden_state_layers:
-            self.taps = HiddenStateTaps(model, proposer.aux_hidden_state_layers, max_num_batched_tokens)
+        self.taps = (HiddenStateTaps(model, proposer.aux_hidden_state_layers, max_num_batched_tokens)
+                     if proposer is not None and proposer.aux_hidden_state_layers else None)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def page_size_bytes(self, dtype: torch.dtype) -> int:
@@ -144,6 +142,8 @@ class ModelRunner:
                 compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
                 prefill_sizes=prefill_sizes if multi_token else (), capture=capture,
                 num_drafts=self.state.num_drafts if self.proposer is not None and self.tree is None else None,
+                replay_counts=self.acceptance_replay and (lambda rows, k: self.acceptance_replay.counts(
+                    rows, self.state.num_tokens[rows.clamp(min=0)], k)),
                 tree_bits=self.tree.bits if self.tree is not None else None)
             if self.proposer is not None:  # the drafter's prompt graphs: the lengths the target's serve
                 graphs = self.cuda_graphs
@@ -190,8 +190,6 @@ class ModelRunner:
         self.state.remove(gone)
         for req_id in gone:
             self.draft_probs.pop(req_id, None)
-        if self.acceptance_replay is not None:
-            self.acceptance_replay.forget(gone)
         if self.proposer is not None and gone:
             self.proposer.on_requests_removed(gone)
         if not sched.scheduled:
@@ -200,6 +198,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         inputs = prepare_step_inputs(self.buffers, self.state, sched.scheduled, self.block_size, self.cuda_graphs,
                                      self._write_inputs)
+        if self.acceptance_replay is not None:  # (before the forward: verify graphs read its tables)
+            self.acceptance_replay.admit(gone, [s.request for s in sched.scheduled], self.state.rows.row_of)
         common = inputs.common
         verifies = any(s.num_spec_tokens for s in sched.scheduled)
         if self.tree is not None and (verifies or self.tree.replays_with_bits(inputs.graph_key)):

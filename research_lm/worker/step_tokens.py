@@ -34,10 +34,12 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
                      tree: DeviceTree | None = None, replay: AcceptanceReplay | None = None) -> StepTokens:
     """Sample each sampling request's next token, or verify its drafts (`verifies`). accepted: the verify graph's
     greedy acceptance (`GraphStep.accepted`), taken as it is where every request is a plain-greedy verify of the
-    graph's q tokens (not under acceptance `replay`, whose counts replace the verification's)."""
+    graph's q tokens (under acceptance `replay` the graph computed the replayed counts: `DecodeGraphs`)."""
     n, sampling, device = len(scheduled), inputs.sampling, logits.device
-    if verifies and accepted is not None and replay is None and _graph_accepts(inputs, scheduled):
+    if verifies and accepted is not None and _graph_accepts(inputs, scheduled):  # (replay too: the graph's counts)
         (b, q), t = inputs.graph_key, inputs.graph_key[0] * inputs.graph_key[1]
+        if replay is not None:  # the graph read the traces' places: they move on
+            replay.advance(inputs.rows[:n].long())
         return StepTokens(accepted[:t].view(b, q)[:n], accepted[t : t + n], accepted[t + b : t + b + n], None, None,
                           accepted, b)
     # Only some requests sample (others ran a prompt chunk): their rows among the step's, on the device.
@@ -60,7 +62,7 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
         scheduled, sampling, inputs.common.query_start_loc_cpu.numpy(), logits, greedy_ids, input_ids,
         state.num_drafts[table_rows], batch, draft_probs,
         tree and RequestTrees(*tree.of_rows(table_rows.long()), max_depth=tree.depth),
-        replay and StepReplay(replay, state.num_tokens[table_rows]))
+        replay and StepReplay(replay, table_rows.long(), state.num_tokens[table_rows]))
     if index is not None:
         emitted = torch.full((n, emitted.shape[1]), -1, dtype=torch.int64, device=device).index_copy_(0, index, emitted)
         num_emitted = torch.zeros(n, dtype=torch.int32, device=device).index_copy_(0, index, num_emitted)

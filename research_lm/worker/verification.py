@@ -82,8 +82,8 @@ def verify_drafts(
     emitted, num_emitted = _verify_chain(reqs, d, drafts, logits, greedy_ids, target_row_t, num_real, batch, q)
     if replay is not None:
         target_row = None if target_row_t is None else target_row_t.view(n, k_max + 1)
-        emitted, num_emitted, count = replay.apply([s.request for s in reqs], d.tolist(), drafts, num_real, emitted,
-                                                   num_emitted, logits, target_row)
+        emitted, num_emitted, count = replay.apply(d.tolist(), drafts, num_real, emitted, num_emitted, logits,
+                                                   target_row)
         if greedy_ids is not None and target_row is None:
             forge_argmax(greedy_ids, emitted, count)
     return emitted, num_emitted, num_real, None
