@@ -294,6 +294,12 @@ TABLES: dict[str, Table] = {
         what="EPLB policies at DeepSeek-V3 scale: compute ms per rebalance, in-sample and replay balancedness",
         device="cpu", measured_on="CPU (2 cores)", minutes="~25–50 s", bench="bench_eplb_policy",
     ),
+    "sim_spec_policy": Table(
+        what="the adaptive speculation policy (Thompson sampling) and the moving average it replaced, each over the "
+             "best fixed draft cap, in a simulated batch-1 decode: 5 acceptance / draft-cost scenarios x 300 / 1000 "
+             "steps, 20 seeds a cell",
+        device="cpu", measured_on="CPU (2 cores)", minutes="~15 s", bench="sim_spec_policy",
+    ),
     "eplb_ablation": Table(
         what="EPLB at DeepSeek-V3 scale (synthetic drift / mix / switch traces) and on the trained MoEs' traces "
              "(research_lm/assets/moe_traces: code, prose, switch): every policy's balancedness (vLLM's per-layer "

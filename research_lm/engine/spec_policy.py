@@ -6,26 +6,30 @@ acceptance of the drafts stays what it was. vLLM's `disable_by_batch_size` is a 
 "adaptive"` measures instead. Its arms are caps on the drafts a request's next step verifies: 0 (no drafts: the step
 runs as plain decoding, launched ahead as a plain step is, and nothing is drafted for it), 1, 2, 4, ... and k (all:
 a chain's length, a token tree's node count; a cap keeps a chain's first drafts and a tree's first nodes, a
-breadth-first subtree). Per batch-size bucket (powers of two) it keeps an exponential moving average of the output
-tokens per second of the steps verified under each arm (the acceptance estimate is in it: tokens per step), and picks
-the fastest. A bucket tries each arm until it has `warmup` steps of it, then re-tries the other arms in turn, one step
-in `explore_every`, so that a change of acceptance (another part of the workload) is seen. A cap bounds what is
-verified, not what is drafted: a drafter still drafts its k (its graphs are captured for k), except under arm 0.
+breadth-first subtree). Per batch-size bucket (powers of two) and arm it keeps discounted sums of the tokens its steps
+emitted (and their squares) and of their seconds. After `warmup` steps of every arm it picks by Thompson sampling: a
+draw of each arm's mean tokens per step from a normal around the measured mean (its variance at least that of a
+uniform count over 1 .. arm + 1 per request, so that a few unlucky early steps never look certain), over its mean
+seconds per step; the highest wins. Every step discounts all of the bucket's sums (`decay`), so an arm not chosen
+for a while grows uncertain and is drawn again: a change of acceptance (another part of the workload) is seen. A cap
+bounds what is verified, not what is drafted: a drafter still drafts its k (its graphs are captured for k), except
+under arm 0. Why sampling rather than a moving average of each step's rate: after a run of unlucky steps of the best
+arm the average locked onto a worse one (experiments/sim_spec_policy.py measures both against the best fixed arm).
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 
 
 @dataclass
-class _Rates:
-    """Output tokens per second of one bucket's steps under each arm (EMA), and their counts."""
+class _Bucket:
+    """One batch bucket's measurements per arm: discounted sums of steps, tokens, squared tokens and seconds."""
 
-    rate: dict[int, float] = field(default_factory=dict)
-    steps: dict[int, int] = field(default_factory=dict)
-    since_explore: int = 0
-    explored: int = 0  # the arms re-tried so far, to take them in turn
+    sums: dict[int, list[float]] = field(default_factory=dict)  # arm -> [steps, tokens, tokens^2, seconds]
+    steps: dict[int, int] = field(default_factory=dict)  # arm -> steps measured (undiscounted)
 
 
 class SpeculationPolicy:
@@ -47,39 +51,46 @@ class SpeculationPolicy:
 class AdaptivePolicy(SpeculationPolicy):
     measures = True
 
-    def __init__(self, num_speculative_tokens: int = 1, warmup: int = 4, explore_every: int = 32,
-                 smoothing: float = 0.2):
+    def __init__(self, num_speculative_tokens: int = 1, warmup: int = 4, decay: float = 0.005, seed: int = 0):
         k = num_speculative_tokens
         self.arms = sorted({0, k} | {1 << i for i in range(k.bit_length()) if 1 << i < k})  # 0, 1, 2, 4, ..., k
-        self.warmup, self.explore_every, self.smoothing = warmup, explore_every, smoothing
-        self.buckets: dict[int, _Rates] = {}
+        self.warmup, self.decay = warmup, decay
+        self.buckets: dict[int, _Bucket] = {}
+        self.rng = random.Random(seed)  # the draws: the same decisions for the same measurements
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return 1 << max(batch_size - 1, 0).bit_length()  # 1, 2, 4, 8, ...
 
     def choose(self, batch_size: int) -> int | None:
-        b = self.buckets.setdefault(self.bucket(batch_size), _Rates())
+        b = self.buckets.setdefault(self.bucket(batch_size), _Bucket())
         untried = [a for a in self.arms if b.steps.get(a, 0) < self.warmup]
         if untried:  # the least measured first: every arm gets its warm-up steps in turn
             return min(untried, key=lambda a: b.steps.get(a, 0))
-        best = max(self.arms, key=lambda a: b.rate[a])
-        b.since_explore += 1
-        if b.since_explore >= self.explore_every:
-            b.since_explore = 0
-            others = [a for a in self.arms if a != best]
-            b.explored += 1
-            return others[(b.explored - 1) % len(others)]
-        return best
+        return max(self.arms, key=lambda a: self._draw(a, b.sums[a], batch_size))
+
+    def _draw(self, arm: int, sums: list[float], batch_size: int) -> float:
+        """Tokens per second with the mean tokens per step drawn from its posterior."""
+        n, tokens, squares, seconds = sums
+        mean = tokens / n
+        variance = max(squares / n - mean * mean, batch_size * (arm + 1) ** 2 / 12)
+        return (mean + math.sqrt(variance / n) * self.rng.gauss(0.0, 1.0)) / (seconds / n)
 
     def record(self, batch_size: int, arm: int, num_tokens: int, seconds: float) -> None:
         if seconds <= 0 or num_tokens <= 0:
             return
-        b = self.buckets.setdefault(self.bucket(batch_size), _Rates())
+        b = self.buckets.setdefault(self.bucket(batch_size), _Bucket())
         arm = min((a for a in self.arms if a >= arm), default=self.arms[-1])  # a shorter step counts as its arm
-        rate = num_tokens / seconds
-        b.rate[arm] = rate if arm not in b.rate else b.rate[arm] + self.smoothing * (rate - b.rate[arm])
+        for sums in b.sums.values():  # every arm's measurements age, so an arm left alone grows uncertain again
+            sums[:] = [x * (1.0 - self.decay) for x in sums]
+        sums = b.sums.setdefault(arm, [0.0, 0.0, 0.0, 0.0])
+        sums[:] = [sums[0] + 1, sums[1] + num_tokens, sums[2] + num_tokens**2, sums[3] + seconds]
         b.steps[arm] = b.steps.get(arm, 0) + 1
+
+    def rate(self, batch_size: int, arm: int) -> float:
+        """The measured tokens per second of an arm in this batch's bucket (discounted means)."""
+        _, tokens, _, seconds = self.buckets[self.bucket(batch_size)].sums[arm]
+        return tokens / seconds
 
 
 POLICIES = {"always": lambda k: SpeculationPolicy(), "adaptive": AdaptivePolicy}  # name -> (k) -> policy

@@ -2,8 +2,8 @@
 
 Invariants:
 - The adaptive policy's arms are caps on the drafts a step verifies: 0, 1, 2, 4, ..., k. Per batch bucket it measures
-  each arm, then takes the one with the most output tokens per second, re-trying the others in turn one step in
-  `explore_every`; buckets do not share their measurements.
+  each arm, then takes by Thompson sampling the one with the most output tokens per second, its measurements aging so
+  that a change of acceptance is seen; buckets do not share their measurements.
 - Through the engine: greedy outputs are the plain ones whatever it decides; a cap of c verifies at most c drafts per
   request (a chain's first, a tree's first nodes), 0 verifies nothing; an unknown policy is refused naming the choices.
 """
@@ -17,30 +17,50 @@ from research_lm.engine.spec_policy import AdaptivePolicy
 
 
 def _feed(policy: AdaptivePolicy, batch: int, rates: dict[int, float], steps: int) -> list[int]:
-    """Run `steps` decisions in one bucket, each step measured at its arm's rate (tokens per second)."""
+    """Run `steps` decisions in one bucket, each a 10 ms step emitting its arm's rate in tokens per second."""
     chosen = []
     for _ in range(steps):
         arm = policy.choose(batch)
         chosen.append(arm)
-        policy.record(batch, arm, 100, 100 / rates[arm])
+        policy.record(batch, arm, round(rates[arm] * 0.01), 0.01)
     return chosen
 
 
 def test_adaptive_policy_follows_the_fastest_arm_per_bucket():
-    policy = AdaptivePolicy(num_speculative_tokens=5, warmup=3, explore_every=10)
+    policy = AdaptivePolicy(num_speculative_tokens=5, warmup=3)
     assert policy.arms == [0, 1, 2, 4, 5]
-    slow = _feed(policy, 32, {0: 2000.0, 1: 1900.0, 2: 2100.0, 4: 1500.0, 5: 1200.0}, steps=115)
+    slow = _feed(policy, 32, {0: 2000.0, 1: 1900.0, 2: 2100.0, 4: 1500.0, 5: 1200.0}, steps=215)
     assert sorted(slow[:15]) == sorted([0, 1, 2, 4, 5] * 3)  # warm-up: every arm measured
-    assert slow[15:].count(2) == 90  # then the fastest, re-trying the other arms in turn one step in 10
-    assert [a for a in slow[15:] if a != 2] == [0, 1, 4, 5] * 2 + [0, 1]
-    fast = _feed(policy, 1, {0: 100.0, 1: 150.0, 2: 200.0, 4: 260.0, 5: 250.0}, steps=35)
-    assert fast[15:].count(4) == 18 and policy.bucket(1) != policy.bucket(32)
+    assert slow[-100:].count(2) >= 80  # then mostly the fastest (arm 0 is within 5 %: drawn now and then)
+    assert policy.rate(32, 2) == pytest.approx(2100.0)
+    fast = _feed(policy, 1, {0: 100.0, 1: 150.0, 2: 200.0, 4: 260.0, 5: 250.0}, steps=215)
+    assert fast[-100:].count(4) >= 60 and policy.bucket(1) != policy.bucket(32)
     assert [policy.bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
-    # a change of acceptance is seen through the exploring steps' measurements
-    later = _feed(policy, 32, {0: 2000.0, 1: 1900.0, 2: 2100.0, 4: 3000.0, 5: 4000.0}, steps=100)
-    assert later[-20:].count(5) >= 18
+    # a change of acceptance is seen: the arms left alone grow uncertain and are drawn again
+    later = _feed(policy, 32, {0: 2000.0, 1: 1900.0, 2: 2100.0, 4: 3000.0, 5: 4000.0}, steps=400)
+    assert later[-50:].count(5) >= 45
+    steps = policy.buckets[32].steps[4]
     policy.record(32, 3, 100, 1.0)  # a step verified under a cap of 3 counts as arm 4's
-    assert policy.buckets[32].steps[4] > later.count(4) + slow.count(4)
+    assert policy.buckets[32].steps[4] == steps + 1
+
+
+def test_adaptive_policy_is_within_5_percent_of_the_best_fixed_cap_in_simulation():
+    """experiments/sim_spec_policy.py's cells where speculation pays: the mean over seeds of the policy's output
+    tokens per second, over the best fixed arm's, at batch 1 over 1000 steps (it was 0.89-0.93 with the moving
+    average this policy replaced)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    from sim_spec_policy import SCENARIOS, Fixed, K, simulate
+
+    for alpha, base, per_draft in SCENARIOS[:4]:
+        ratios = []
+        for seed in range(8):
+            run = (alpha, base, per_draft, 1000, seed)
+            best = max(simulate(Fixed(a), *run) for a in AdaptivePolicy(K).arms)
+            ratios.append(simulate(AdaptivePolicy(K, seed=seed), *run) / best)
+        assert sum(ratios) / len(ratios) >= 0.95, (alpha, ratios)
 
 
 def test_engine_with_adaptive_policy_keeps_greedy_outputs(tiny_checkpoint):
@@ -54,7 +74,7 @@ def test_engine_with_adaptive_policy_keeps_greedy_outputs(tiny_checkpoint):
                                                  "speculation_policy": "adaptive"})
     policy = llm.engine.spec_policy
     assert isinstance(policy, AdaptivePolicy)
-    policy.warmup, policy.explore_every = 2, 4
+    policy.warmup = 2
     decisions = []
     real = policy.choose
     policy.choose = lambda batch: decisions.append(real(batch)) or decisions[-1]
