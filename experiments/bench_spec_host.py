@@ -2,6 +2,7 @@
 
     python experiments/bench_spec_host.py                                     # CUDA, eagle3 k = 5, batch 1
     python experiments/bench_spec_host.py --method ngram --batch 8
+    python experiments/bench_spec_host.py --method eagle3_tree16   # token trees: where a tree step's time goes
     python experiments/bench_spec_host.py --device cpu --tokens 8 --repeats 1   # a smoke run
 
 The built-in tiny pair (tiny-llama, and tiny-llama-eagle3 for eagle3; ngram needs no head), greedy, `--batch`
@@ -49,6 +50,7 @@ import time
 from typing import Any
 
 import torch
+import triton
 from bench_common import add_repeat_args, cell, env_line, repeats_line, run_table
 
 import research_lm.ops
@@ -60,7 +62,31 @@ NAME = "bench_spec_host"
 PHASES = ("step", "schedule", "prepare", "verify", "propose", "update", "metrics")
 PROMPTS = ("import os\nimport sys\n\n\ndef main(argv):\n    parser = ", "class Foo(object):\n    def __init__(self",
            "def test_", "    for i in range(")
-SPECS = {"eagle3": {"method": "eagle3", "model": "tiny-llama-eagle3"}, "ngram": {"method": "ngram"}}
+TREE16 = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
+          [1, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]]  # conf/spec_tree/tree16.yaml
+SPECS = {"eagle3": {"method": "eagle3", "model": "tiny-llama-eagle3"}, "ngram": {"method": "ngram"},
+         # token trees (issue 29): a static 16-node tree and EAGLE-2's dynamic one (conf/spec_tree/dynamic.yaml)
+         "eagle3_tree16": {"method": "eagle3", "model": "tiny-llama-eagle3", "speculative_token_tree": str(TREE16),
+                           "num_speculative_tokens": None},
+         "eagle3_dynamic": {"method": "eagle3", "model": "tiny-llama-eagle3", "num_speculative_tokens": 4, "topk": 4,
+                            "num_draft_tokens": 16}}
+
+
+class Compiles:
+    """Triton kernels compiled while a run is measured (a kernel compiled inside a measured run costs ~0.1 s: a step
+    whose shapes or specializations change each time recompiles; PERFORMANCE.md, thirteenth pass)."""
+
+    def __init__(self):
+        self.count = 0
+        jit = triton.runtime.jit.JITFunction
+        if hasattr(jit, "_do_compile"):
+            compile_one = jit._do_compile
+
+            def counted(fn, *args, **kwargs):
+                self.count += 1
+                return compile_one(fn, *args, **kwargs)
+
+            jit._do_compile = counted
 
 
 class PhaseTimer:
@@ -111,7 +137,7 @@ def build(args: argparse.Namespace, spec: dict[str, Any] | None) -> LLM:
     device = torch.device(args.device)
     return LLM("tiny-llama", device=args.device, cuda_graphs=device.type == "cuda", max_num_seqs=args.batch,
                attention_backend="triton" if device.type == "cuda" else "torch_ref",
-               speculative_config=None if spec is None else {**spec, "num_speculative_tokens": args.k})
+               speculative_config=None if spec is None else {"num_speculative_tokens": args.k, **spec})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -141,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for llm in engines.values():  # warm-up: kernels of every shape the measured runs take
         llm.generate(prompts, params, use_tqdm=False)
 
+    compiles = Compiles()
+
     def measure(_: argparse.Namespace) -> dict[str, Any]:
         rows = []
         for run, llm in engines.items():
@@ -151,13 +179,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             research_lm.ops.FUSED_DEVICE_TYPES = () if run == torch_rejection else fused
-            start = time.perf_counter()
+            start, compiled = time.perf_counter(), compiles.count
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             step_tokens_module.verify_drafts, runner_module.prepare_step_inputs = verify, prepare
             research_lm.ops.FUSED_DEVICE_TYPES = fused
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            row = {"run": run, "batch": args.batch, "ms_per_token": seconds * 1e3 / tokens, "tau": _tau(outputs)}
+            row = {"run": run, "batch": args.batch, "ms_per_token": seconds * 1e3 / tokens, "tau": _tau(outputs),
+                   "compiles": compiles.count - compiled}
             row |= {f"{p}_us": statistics.median(timer.times[p]) for p in PHASES if timer.times.get(p)}
             rows.append(row)
         return {"rows": rows}
@@ -177,13 +206,14 @@ def _tau(outputs) -> float:
 
 
 def render(payload: dict[str, Any]) -> str:
-    head = ["engine", "batch", "ms/token", "τ"] + [f"{p} µs" for p in PHASES]
+    head = ["engine", "batch", "ms/token", "τ", "Triton compiles"] + [f"{p} µs" for p in PHASES]
     title = (f"# Host time per step, phase by phase ({payload['method']}, k = {int(payload['k'])}, "
              f"{int(payload['tokens'])} tokens per request, temperature {payload.get('temperature', 0.0):g})")
     lines = [title, "", env_line(payload["env"]), "", repeats_line(payload), "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * 2 + " ---: |" * (len(head) - 2)]
     for row in payload["rows"]:
-        values = [row["run"], str(int(row["batch"])), cell(row, "ms_per_token", ".3f"), cell(row, "tau", ".2f")]
+        values = [row["run"], str(int(row["batch"])), cell(row, "ms_per_token", ".3f"), cell(row, "tau", ".2f"),
+                  cell(row, "compiles", ".0f")]
         values += [cell(row, f"{p}_us", ".0f") for p in PHASES]
         lines.append("| " + " | ".join(values) + " |")
     return "\n".join(lines)

@@ -80,7 +80,7 @@
 # GPUs), the split-K invariant GEMM (`bi`). Tables registered and never run: spec_tree_h200, spec_suffix_h200,
 # spec_transfer_8b_h200, ab_issue28_ablation_eagle3_b8_h200, bench_decode_batch_invariant_h200,
 # bench_throughput_batch_invariant_h200 (and spec_mtp_h200 once its DeepSeek reference script lands).
-#   bash experiments/gpu_pending.sh bi | replay | tp_mamba
+#   bash experiments/gpu_pending.sh bi | replay | tp_mamba | tree_host
 # Session 26 (2 x H200, experiments/gpu_lanes.sh's way) ran `tests`, `tp_mamba` and `bi` at 6fdec22 (all passed but a
 # test bug, fixed), `replay`, the batch-invariance tables, spec_ablation_batch_invariant_h200 and
 # ab_issue28_ablation_eagle3_b8_h200; spec_tree_h200 and spec_suffix_h200 were cut by their timeouts (PERFORMANCE.md,
@@ -134,6 +134,11 @@ case ${1:-tests} in
     for b in 1 8; do
       python experiments/bench_spec_host.py --method eagle3 --batch $b --name bench_spec_host_eagle3_b$b
       python experiments/bench_spec_host.py --method ngram --batch $b --name bench_spec_host_ngram_b$b
+    done ;;
+  tree_host)  # issue 29: where a token-tree step's time goes (spec_tree_h200: tree16 at 0.17x, 10x a chain's step),
+              # with the Triton compiles inside the measured runs; tables to outputs/ (diagnostics, not results)
+    for m in eagle3_tree16 eagle3_dynamic eagle3; do
+      python experiments/bench_spec_host.py --method $m --k 4 --batch 1 --out outputs/tree_host --name host_$m
     done ;;
   bi)  # issue 35: the GPU proofs, then the invariant GEMM against cuBLAS and the tile sweep that rewrites the tuned tiles
     python -m pytest tests/test_batch_invariant_gpu.py tests/ops/test_batch_invariant.py -m "gpu or not gpu" \
