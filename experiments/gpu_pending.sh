@@ -80,7 +80,7 @@
 # GPUs), the split-K invariant GEMM (`bi`). Tables registered and never run: spec_tree_h200, spec_suffix_h200,
 # spec_transfer_8b_h200, ab_issue28_ablation_eagle3_b8_h200, bench_decode_batch_invariant_h200,
 # bench_throughput_batch_invariant_h200 (and spec_mtp_h200 once its DeepSeek reference script lands).
-#   bash experiments/gpu_pending.sh bi | replay | tp_mamba | tree_host
+#   bash experiments/gpu_pending.sh bi | replay | tp_mamba | tree_host | bi_gap
 # Session 26 (2 x H200, experiments/gpu_lanes.sh's way) ran `tests`, `tp_mamba` and `bi` at 6fdec22 (all passed but a
 # test bug, fixed), `replay`, the batch-invariance tables, spec_ablation_batch_invariant_h200 and
 # ab_issue28_ablation_eagle3_b8_h200; spec_tree_h200 and spec_suffix_h200 were cut by their timeouts (PERFORMANCE.md,
@@ -134,6 +134,18 @@ case ${1:-tests} in
     for b in 1 8; do
       python experiments/bench_spec_host.py --method eagle3 --batch $b --name bench_spec_host_eagle3_b$b
       python experiments/bench_spec_host.py --method ngram --batch $b --name bench_spec_host_ngram_b$b
+    done ;;
+  bi_gap)  # issue 35: spec_ablation_batch_invariant_h200 had 1-2 of 128 requests differ from plain greedy at batch 32
+          # with eagle3 / eagle / medusa / draft_model (seeds 0 and 2 of eagle3). Bisect: which switch makes it 1.0?
+    [ -d outputs/reference/target ] || SIDE_BY_SIDE=1 bash experiments/train_reference.sh outputs/reference
+    cell="experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf model.name=outputs/reference/target
+      spec=eagle3 spec.model=outputs/reference/eagle3 spec.num_speculative_tokens=5 workload.temperature=0.0
+      workload.max_tokens=64 runner.num_gpu_blocks=4096 runner.batch_invariant=true runner.max_num_seqs=32
+      workload.num_requests=128 warmup_requests=32 seed=0,2"
+    for variant in "" runner.async_scheduling=false runner.cuda_graphs=false runner.enable_prefix_caching=false \
+                   runner.separate_prefills=false; do
+      python -m research_lm -m $cell $variant hydra.sweep.dir=multirun/bi_gap/${variant:-as_is}
+      echo "${variant:-as is}: $(grep -h outputs_match_baseline multirun/bi_gap/${variant:-as_is}/*/results.json | tr -d ' \n')"
     done ;;
   tree_host)  # issue 29: where a token-tree step's time goes (spec_tree_h200: tree16 at 0.17x, 10x a chain's step),
               # with the Triton compiles inside the measured runs; tables to outputs/ (diagnostics, not results)
