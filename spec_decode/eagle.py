@@ -31,6 +31,7 @@ EAGLE-3 (`yuhuili/EAGLE3-*`; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, vLLM 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -55,6 +56,7 @@ from research_lm.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecode
 from research_lm.models.loader import read_json_config
 from research_lm.ops import use_fused
 from research_lm.worker.cuda_graphs import Capture, GraphPool, uncapturable_reason
+from research_lm.worker.rng import to_device
 from research_lm.worker.spec import Drafts, DraftTarget, Proposer, StepOutcome, TokenTable, register_proposer
 from research_lm.worker.token_tree import DynamicTree, TokenTree, TreeShape
 from spec_decode.draft_graphs import DraftGraphs
@@ -327,8 +329,7 @@ class EagleProposer(Proposer):
         """The eager entry forward over rows (x[t+1], feature_t), `lens` per request from `starts`: (out, hidden)."""
         device = outcome.common.block_table.device
         positions, md = draft_metadata(outcome.common, batch_rows, starts, lens, self.cache_layers)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-        rows = torch.tensor(feature_rows, dtype=torch.int64, device=device)
+        ids, rows = to_device([*tokens, *feature_rows], torch.int64, device).split([len(tokens), len(feature_rows)])
         return self._forward(ids, positions, md, self._head_features(self._target_features(outcome, rows)))
 
     def propose_on_device(self, outcome: StepOutcome) -> Drafts | None:
@@ -374,7 +375,7 @@ class EagleProposer(Proposer):
         if not drafting.index:
             return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
-        last = (torch.tensor(lens).cumsum(0) - 1)[drafting.index].to(out.device)  # each request's last row
+        last = to_device(last_rows(lens, drafting.index), torch.int64, out.device)  # each request's last row
 
         def step(batch_rows, positions, ids, features):
             positions, md = draft_metadata(outcome.common, batch_rows, positions, [1] * len(ids), self.cache_layers)
@@ -395,7 +396,7 @@ class EagleProposer(Proposer):
         if not drafting.index:
             return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
         starts, lens = span[1], span[2]
-        last = (torch.tensor(lens).cumsum(0) - 1)[drafting.index].to(out.device)  # each request's last row
+        last = to_device(last_rows(lens, drafting.index), torch.int64, out.device)  # each request's last row
         roots = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
         return self.tree_drafter.draft(outcome.common, drafting.index, drafting.budget, roots, out[last], hidden[last])
 
@@ -432,6 +433,12 @@ class EagleProposer(Proposer):
 
 # ---------------------------------------------------------------------------------------------------
 # Loading
+
+
+def last_rows(lens: Sequence[int], index: Sequence[int]) -> list[int]:
+    """The last row of each indexed request among rows laid out `lens` per request."""
+    ends = list(itertools.accumulate(lens))
+    return [ends[i] - 1 for i in index]
 
 
 def _speculation(speculative_config: dict[str, Any], method: str) -> tuple[int, TreeShape | None]:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from attention_zoo import CacheLayer, CommonAttentionMetadata
+from research_lm.worker.rng import to_device
 from research_lm.worker.spec import Drafts
 from research_lm.worker.token_tree import DynamicTree, TokenTree, tree_tables
 from spec_decode.heads import draft_metadata
@@ -170,9 +171,9 @@ class DynamicEagleTree:
         """The N best candidates (scores, tokens, parents [n, C], laid out depth-major) as breadth-first trees."""
         n, num_candidates = scores.shape
         k, device = self.tree.topk, scores.device
-        depth_of = torch.tensor([1] * k + [d for d in range(2, self.tree.depth + 1) for _ in range(k * k)],
-                                device=device)  # [C]
-        within = depth_of <= torch.tensor(budgets, device=device)[:, None]  # [n, C]
+        depth_of, budget = to_device([1] * k + [d for d in range(2, self.tree.depth + 1) for _ in range(k * k)]
+                                     + list(budgets), torch.int64, device).split([num_candidates, n])  # [C], [n]
+        within = depth_of <= budget[:, None]  # [n, C]
         ranked = torch.where(within, scores, -1.0).sort(dim=1, descending=True, stable=True).indices
         chosen = ranked[:, : self.tree.num_drafts].sort(dim=1).values  # [n, N]: parents before children
         node_of = torch.zeros(n, num_candidates + 1, dtype=torch.int64, device=device)  # candidate + 1 -> node
@@ -190,7 +191,7 @@ def run_block(forward: HeadForward, layers: Sequence[CacheLayer], step: CommonAt
     depths [n, M] and masks over the block [n, M] int64 (bit i: block node i; the root sits before the block, in the
     cached context). KV at slots root + 1 .. root + M. Returns the nodes' (output, next feature), each [n, M, H]."""
     n, m = tokens.shape
-    roots = torch.tensor(root_positions, dtype=torch.int64, device=tokens.device)
+    roots = to_device(root_positions, torch.int64, tokens.device)
     positions = (roots[:, None] + depths).view(-1)
     _, metadata = draft_metadata(step, rows, [p + 1 for p in root_positions], [m] * n, layers, bits.reshape(-1))
     out, nxt = forward(tokens.reshape(-1), positions, metadata, features.flatten(0, 1))

@@ -409,19 +409,21 @@ def draft_metadata(
     req_of_token = np.repeat(np.arange(num_reqs), lens_np)  # [T]
     positions_np = np.arange(num_tokens) - qsl_np[req_of_token] + starts_np[req_of_token]  # [T]
 
-    rows = torch.as_tensor(np.asarray(batch_rows, dtype=np.int64), device=device)
+    # One pinned, asynchronous copy: a copy from pageable memory waits for the stream (the forward still queued on
+    # it), and a tree drafts several levels of these a step.
+    host = np.concatenate([np.asarray(batch_rows, dtype=np.int64), positions_np, req_of_token, qsl_np, seq_lens_np])
+    rows, positions, req_idx, qsl, seq_lens = rng.to_device(torch.from_numpy(host), torch.int64, device).split(
+        [num_reqs, num_tokens, num_tokens, num_reqs + 1, num_reqs])
     block_table = step.block_table.index_select(0, rows)  # [R, max_blocks]
-    positions = torch.from_numpy(positions_np).to(device)
-    req_idx = torch.from_numpy(req_of_token).to(device)
     bs = step.block_size
     slot_mapping = block_table[req_idx, positions // bs].long() * bs + positions % bs  # [T]
 
     qsl_cpu = torch.from_numpy(qsl_np.astype(np.int32))
     seq_lens_cpu = torch.from_numpy(seq_lens_np.astype(np.int32))
     common = CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(device),
+        query_start_loc=qsl.to(torch.int32),
         query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_lens_cpu.to(device),
+        seq_lens=seq_lens.to(torch.int32),
         seq_lens_cpu=seq_lens_cpu,
         num_computed_tokens_cpu=torch.from_numpy(starts_np.astype(np.int32)),
         block_table=block_table,
