@@ -24,8 +24,7 @@ Replayed count n of a request in a verify step (then capped by its real drafts t
 A profile of k positions serves a run of k' <= k drafts (its first k' rates: conditional rates truncate exactly);
 k' > k is refused. A run with `record_acceptance=true` (research_lm/harness/experiment.py) writes its own profile:
 the rates measured over all its requests, and every request's trace in prompt order, so that replaying the same
-workload gives each request its own counts (one request's trace for all: tau 5.57 replayed against 4.27 measured on
-the GPU reference pair, session 26).
+workload gives each request its own counts.
 
 The request then emits its first n drafts and the target's token at row n (`StepReplay.apply`), all on the device
 without a host sync. The counts come from device tables alone (each row's seed, trace and place in it), so a verify
@@ -248,17 +247,24 @@ def replay_greedy(logits: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tens
     [b, q, V], greedy [b, q] their argmax, drafts [b, q - 1], count [b] replayed counts (<= real [b]). Emitted [b, q]:
     the first count drafts, then row count's argmax with draft count + 1 excluded where it is real (greedy
     rejection's correction), -1 after; greedy's rows 0 .. count are rewritten to them (`forge_argmax`)."""
-    b, q = greedy.shape
-    k = q - 1
-    row = logits[torch.arange(b, device=logits.device), count]  # [b, V]: row n of each request
-    rejected = drafts.gather(1, count.clamp(max=k - 1)[:, None]).clamp(0, row.shape[-1] - 1)  # [b, 1]
-    hide = torch.where(count[:, None] < real[:, None], float("-inf"), row.gather(1, rejected))
-    last = row.scatter(1, rejected, hide).argmax(dim=-1)  # [b]
-    j = torch.arange(q, device=drafts.device)
-    padded = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1)
-    emitted = torch.where(j < count[:, None], padded, torch.where(j == count[:, None], last[:, None], -1))
+    row = logits[torch.arange(len(count), device=logits.device), count]  # [b, V]: row n of each request
+    emitted = _lay_out(drafts, count, _corrected(row, drafts, count, real))
     forge_argmax(greedy.view(-1), emitted, count)
     return emitted
+
+
+def _corrected(row: torch.Tensor, drafts: torch.Tensor, count: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Row n's argmax (row [n, V]) with draft n + 1 excluded where it is real: greedy rejection's correction. [n]"""
+    rejected = drafts.gather(1, count.clamp(max=drafts.shape[1] - 1)[:, None]).clamp(0, row.shape[-1] - 1)  # [n, 1]
+    hide = torch.where(count[:, None] < real[:, None], float("-inf"), row.gather(1, rejected))
+    return row.scatter(1, rejected, hide).argmax(dim=-1)
+
+
+def _lay_out(drafts: torch.Tensor, count: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The first count drafts, then last, then -1: [n, k + 1]."""
+    j = torch.arange(drafts.shape[1] + 1, device=drafts.device)
+    padded = torch.cat([drafts, drafts.new_zeros(len(count), 1)], dim=1)
+    return torch.where(j < count[:, None], padded, torch.where(j == count[:, None], last[:, None], -1))
 
 
 @dataclass(frozen=True)
@@ -290,16 +296,10 @@ class StepReplay:
             at = torch.arange(n, device=drafts.device) * (k + 1) + count
         else:
             at = target_row.gather(1, count[:, None])[:, 0]
-        row = logits[at].float()  # [n, V]: row n of each request
-        rejected = drafts.gather(1, count.clamp(max=k - 1)[:, None]).clamp(0, row.shape[-1] - 1)  # [n, 1]
-        hide = torch.where(count[:, None] < num_real[:, None], float("-inf"), row.gather(1, rejected))
-        corrected = row.scatter(1, rejected, hide).argmax(dim=-1)  # [n]
+        corrected = _corrected(logits[at].float(), drafts, count, num_real)  # row n of each request's
         real_last = emitted.gather(1, (num_emitted.long() - 1).clamp(min=0)[:, None])[:, 0]
         last = torch.where(num_emitted.long() - 1 == count, real_last, corrected)
-        j = torch.arange(k + 1, device=drafts.device)
-        padded = torch.cat([drafts, drafts.new_zeros(n, 1)], dim=1)
-        out = torch.where(j < count[:, None], padded, torch.where(j == count[:, None], last[:, None], -1))
-        return out, (count + 1).to(torch.int32), count
+        return _lay_out(drafts, count, last), (count + 1).to(torch.int32), count
 
 
 def forge_argmax(greedy_ids: torch.Tensor, emitted: torch.Tensor, count: torch.Tensor) -> None:
