@@ -250,8 +250,8 @@ class DecodeGraphs:
     `greedy_ids`; without, they hold the forward only. prefill_sizes: query lengths captured at B = 1 for
     one request's prompt or chunk, always forward only (`prefill` lists the captured ones). max_seq_len:
     max_model_len. num_drafts ([R] int32, the device table of real drafts per request row): verify graphs also
-    accept each request's drafts greedily (`GraphStep.accepted`), or under acceptance replay keep replay_counts'
-    (`AcceptanceReplay.counts` of (rows, k)). tree_bits: verify graphs of a token tree attend
+    accept each request's drafts greedily (`GraphStep.accepted`), or under acceptance replay keep the counts that
+    replay_counts gives (`AcceptanceReplay.counts` of (rows, k)). tree_bits: verify graphs of a token tree attend
     through these masks (`CommonAttentionMetadata.tree_bits`), written before each replay."""
 
     def __init__(
