@@ -296,6 +296,8 @@ def hf_rows(args, prompts: list[list[int]], device: torch.device, dtype: torch.d
             row["first_call_s"] = generate(n, **kw)  # static: includes torch.compile
             t1 = min(generate(1, **kw) for _ in range(3))
             tn = min(generate(n, **kw) for _ in range(2))
+            if tn <= t1:  # a loaded machine and too few steps: the difference is timer noise, not a step
+                raise RuntimeError(f"{n} steps took no longer than 1: raise --hf-dynamic-steps / --steps")
             row["ms"] = (tn - t1) / (n - 1) * 1e3
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

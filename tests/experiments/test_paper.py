@@ -212,7 +212,7 @@ def test_bench_decode_batch_2_on_a_cpu(tmp_path):
     """--batch 2 --tiny: two requests decode together; the floor adds their KV read; tok/s counts both."""
     bench = paper.import_bench("bench_decode")
     payload = bench.main(["--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batch",
-                          "2", "--steps", "3", "--warmup", "1", "--prompt-len", "8", "--hf-dynamic-steps", "2",
+                          "2", "--steps", "3", "--warmup", "1", "--prompt-len", "8", "--hf-dynamic-steps", "8",
                           "--skip-hf-static", "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
     rows = {r["variant"]: r for r in payload["rows"]}
     assert payload["batches"] == [2] and all(r["batch"] == 2 for r in rows.values())
