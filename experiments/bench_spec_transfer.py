@@ -267,7 +267,7 @@ def profiles_of(method: str, args: argparse.Namespace) -> list[tuple[str, Any]]:
     """(name, the profile, or vllm_profile: one per K) that `method`'s cells replay; [] where none was given."""
     given = {"eagle3": args.profile, "draft_model": args.draft_profile, "ngram": args.ngram_profile,
              "medusa": args.medusa_profile}[method]
-    named = [(str(given), load_profile(given))] if given else []
+    named = [(Path(given).stem, load_profile(given))] if given else []
     if method == "eagle3":
         return [(VLLM, vllm_profile), *named]
     if method == "draft_model":

@@ -75,6 +75,7 @@ _ZOO_SMOKE = ("device=cpu", "attention=torch_ref", "logger=none", "workload.num_
 _TP_SMOKE = ("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batch", "1", "2",
              "--steps", "4", "--warmup", "1", "--prompt-len", "16")  # two gloo ranks
 _REF = "outputs/reference"  # experiments/train_reference.sh's models (spec_ablation_h200)
+_PROFILES = "research_lm/assets/profiles"  # experiments/record_reference_profiles.sh writes the reference's here
 
 
 def _spec_reference_sweep(ks: str) -> tuple[str, ...]:
@@ -490,14 +491,38 @@ TABLES: dict[str, Table] = {
               "prompts x 128 tokens, greedy; each job also runs the same workload without speculation "
               "(the baseline rows) in the same process, so speedup = output tok/s ratio.",
     ),
+    "spec_replay_validation_h200": Table(
+        what="issue 30's validation: the reference pair's EAGLE-3 (k = 5, batch 1, greedy) for real, then replaying "
+             "its own recorded profile (per-request traces) on the same target and workload: tau and speedup side "
+             "by side",
+        device="cuda", measured_on="NVIDIA H200",
+        minutes="~3 min on one GPU (6 jobs; + ~8.5 min training and ~3 min recording when missing)",
+        sweep=(*_spec_reference_sweep("5")[:6], "spec.num_speculative_tokens=5", "workload.temperature=0.0",
+               "workload.max_tokens=128", "runner.num_gpu_blocks=4096", "spec=eagle3", f"spec.model={_REF}/eagle3",
+               "runner.max_num_seqs=1", "workload.num_requests=8", "seed=0"),
+        parts=(("acceptance_replay=null",), ("acceptance_replay=reference_eagle3_k5",)),
+        prepare=(f"{_PROFILES}/reference_eagle3_k5.json", ("bash", "experiments/record_reference_profiles.sh", _REF)),
+        title="Acceptance replay against the run it recorded: the reference pair's EAGLE-3 (GPU)",
+        about=_SPEC_REFERENCE_ABOUT + " Here one cell, EAGLE-3 at k = 5, batch 1, greedy, 8 code prompts (seed 0), "
+              "three timing repeats: once for real, once replaying research_lm/assets/profiles/"
+              "reference_eagle3_k5.json, which experiments/record_reference_profiles.sh recorded from this very "
+              "workload (record_acceptance=true: each request's own per-step accepted counts). Replay must give the "
+              "real run's tau and speedup within their spread; its outputs are meaningless (outputs_match_baseline "
+              "null, acceptance: replayed(...)).",
+    ),
     "spec_transfer_8b_h200": Table(
         what="speculative decoding on a Llama-3.1-8B shape (random bf16 weights, triton, CUDA graphs) at vLLM "
              "#20780's published EAGLE-3 acceptance, replayed (issue 30): TPOT, tok/s, speedup, measured vs profile "
              "tau, draft / verify ms of an EAGLE-3 head and a Llama-3.2-1B draft model of real shapes at batch "
-             "1/8/32/64, k = 3/5 (EAGLE-3 k = 4 at batch 1), beside vLLM's published 1.75x",
+             "1/8/32/64, k = 3/5 (EAGLE-3 k = 4 at batch 1), beside vLLM's published 1.75x; and EAGLE-3, the "
+             "draft model, Medusa and ngram at the acceptance our trained reference pair recorded "
+             "(research_lm/assets/profiles/reference_*_k5.json)",
         device="cuda", measured_on="NVIDIA H200",
-        minutes="~7 min (estimate: 6 engines x 3 repeats; + ~1 min writing the drafters' random checkpoints once)",
+        minutes="~12 min (estimate: 10 engines x 3 repeats; + ~1 min writing the drafters' random checkpoints once)",
         bench="bench_spec_transfer",
+        args=("--profile", f"{_PROFILES}/reference_eagle3_k5.json", "--draft-profile",
+              f"{_PROFILES}/reference_draft_model_k5.json", "--ngram-profile", f"{_PROFILES}/reference_ngram_k5.json",
+              "--medusa-profile", f"{_PROFILES}/reference_medusa_k5.json"),
         smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batches", "1", "2",
                "--tokens", "8", "--requests", "2", "--prompt-len", "16", "--warmup-tokens", "2",
                "--draft-vocab", "128"),
