@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from research_lm import LLM, SamplingParams
 from research_lm.api.config import EngineConfig
 from research_lm.harness.experiment import AcceptanceMetrics, run
 from research_lm.worker.acceptance_replay import (
+    AcceptanceReplay,
     expected_tau,
     load_profile,
     profile_from_rates,
@@ -127,6 +130,18 @@ def test_each_request_replays_its_own_trace_in_prompt_order():
     for i, steps in enumerate(traces.values()):  # (AcceptanceMetrics keeps the requests in the order they verified)
         trace = own[i % len(own)]
         assert [a for _, a in steps] == [min(trace[c % len(trace)][1], d) for c, (d, _) in enumerate(steps)]
+
+
+def test_rewind_gives_the_measured_runs_first_request_the_first_trace():
+    """Warm-up requests replay traces too (the harness serves them through the same engine); `rewind` before the
+    measured run makes its i-th request replay trace i again, as in the run that recorded them."""
+    profile = load_profile({**PROFILE, "trace": None, "traces": [[[3, 1]], [[3, 2]], [[3, 3]]]})
+    replay = AcceptanceReplay(profile, K, torch.device("cpu"), max_num_reqs=4)
+    request = [SimpleNamespace(request_id=str(i), seed=i) for i in range(3)]
+    replay.admit((), request[:1], {"0": 0})  # a warm-up request: trace 0
+    replay.rewind()
+    replay.admit({"0"}, request[1:], {"1": 1, "2": 2})
+    assert replay.trace_of[1:3].tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])

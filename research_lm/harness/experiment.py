@@ -363,6 +363,8 @@ def run_workload(cfg: DictConfig, run_dir: Path, logger=None, record_acceptance:
         params = [replace(p, max_tokens=min(p.max_tokens, WARMUP_MAX_TOKENS)) for p in workload.params[:n]]
         llm.generate(workload.prompts[:n], params, use_tqdm=False)
     engine.metrics.reset()
+    if engine.acceptance_replay is not None:
+        engine.acceptance_replay.rewind()
     outputs = serve(engine, workload.prompts, workload.params, workload.arrival_times,
                     clock=engine.ranks.clock if engine.ranks is not None else time.perf_counter,  # EP: rank 0's
                     progress=is_main_process())

@@ -217,6 +217,11 @@ class AcceptanceReplay:
         self.trace_of.index_copy_(0, rows, which_t)
         self.cursor.index_fill_(0, rows, 0)
 
+    def rewind(self) -> None:
+        """The next request admitted replays trace 0 again: a measured run after warm-up requests gives its i-th
+        request the i-th recorded trace, as in the run that recorded them."""
+        self._num_admitted = 0
+
     def counts(
         self,
         rows: torch.Tensor,  # [n] int64 on the device: each request's table row, -1 for a graph's padding
