@@ -113,7 +113,9 @@ _SPEC_REFERENCE_ABOUT = (
 # spec_tree_h200: EAGLE-3 chain vs static vs dynamic tree on the reference target, one part per tree and batch
 _SPEC_TREE_PARTS = _spec_parts(tuple((f"spec_tree={tree}",) for tree in ("chain", "tree16", "dynamic")))
 # spec_suffix_h200: the model-free proposers and EAGLE-3 on the agentic and code workloads, a part per method and batch
+# (suffix k = 24: vLLM's default, num_speculative_tokens = the tree depth, so a long match drafts far)
 _SPEC_SUFFIX_PARTS = _spec_parts((("spec=ngram",), ("spec=suffix",), ("spec=suffix", "spec.suffix_decoding_tree=true"),
+                                  ("spec=suffix", "spec.num_speculative_tokens=24"),
                                   ("spec=eagle3", f"spec.model={_REF}/eagle3")))
 # spec_mtp_h200: the DeepSeek reference target (experiments/train_reference_mtp.sh) with its MTP layer vs EAGLE-3
 _REF_MTP = "outputs/reference_mtp"
@@ -301,6 +303,13 @@ TABLES: dict[str, Table] = {
              "steps, 20 seeds a cell",
         device="cpu", measured_on="CPU (2 cores)", minutes="~15 s", bench="sim_spec_policy",
     ),
+    "sim_spec_oracle": Table(
+        what="model-free drafting against an oracle target on workload=agentic (the target emits the workload's own "
+             "reference answers): ngram k = 3/5/8 vs suffix decoding k = 5/8/24 (path, tree, spec factor 2): tau, "
+             "drafts per step, acceptance per position",
+        device="cpu", measured_on="CPU (2 cores)", minutes="~1 min", bench="sim_spec_oracle",
+        smoke=("--sessions", "2"),
+    ),
     "eplb_ablation": Table(
         what="EPLB at DeepSeek-V3 scale (synthetic drift / mix / switch traces) and on the trained MoEs' traces "
              "(research_lm/assets/moe_traces: code, prose, switch): every policy's balancedness (vLLM's per-layer "
@@ -443,16 +452,18 @@ TABLES: dict[str, Table] = {
               "step verifies at 0, 1, 2, 4, ... or all, whichever it measures fastest per batch size.",
     ),
     "spec_suffix_h200": Table(
-        what="suffix decoding (path and tree) vs ngram vs EAGLE-3 (k = 5, greedy) on the agentic and code workloads, "
+        what="suffix decoding (path and tree; k = 5, and k = 24 as vLLM defaults it) vs ngram vs EAGLE-3 (k = 5, "
+             "greedy) on the agentic and code workloads, "
              "GPU reference target x batch {1,8,32}",
         device="cuda", measured_on="NVIDIA H200",
-        minutes="~6 min on one GPU (72 jobs; + ~8.5 min training when missing)",
+        minutes="~8 min on one GPU (90 jobs; + ~8.5 min training when missing)",
         sweep=("experiment=spec_ablation", "device=cuda", "attention=triton", "logger=jsonl", "model=hf",
                f"model.name={_REF}/target", "spec.num_speculative_tokens=5", "workload=agentic,code",
                "workload.max_tokens=128", "runner.num_gpu_blocks=4096"),
         parts=_SPEC_SUFFIX_PARTS, prepare=(f"{_REF}/target", ("bash", "experiments/train_reference.sh", _REF)),
         repeat_key="seed", title="Suffix decoding vs ngram vs EAGLE-3 on agentic and code workloads (GPU)",
-        about="The GPU reference target, k = 5 drafts (suffix: at most 5, by spec factor 1 x the match length; its "
+        about="The GPU reference target, k = 5 drafts (suffix: at most 5, by spec factor 1 x the match length, and "
+              "in one variant at most 24, vLLM's default for suffix (the tree depth): drafts as long as the match; its "
               "tree variant 5 nodes verified as a token tree), greedy, 8 prompts at batch 1 and 4 x batch at 8 and 32, "
               "128 output tokens, 3 seeds per cell; each job also runs the workload without speculation in the same "
               "process. workload=agentic: coding-agent sessions that re-emit and edit earlier outputs (conf/workload/"
