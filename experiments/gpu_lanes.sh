@@ -33,7 +33,10 @@ case ${1:-} in
     echo "$(date +%T) lane $2 done" >> $L/stages ;;
   poll)
     end=$(( $(date +%s) + ${2:-60} )); lanes=$(ls $L/lane? | wc -l)
-    while [ "$(date +%s)" -lt "$end" ] && [ "$(grep -c ' done$' $L/stages 2>/dev/null)" -lt "$lanes" ]; do sleep 5; done
+    # (cat | grep -c: 0 while no line has finished yet and the stages file does not exist)
+    while [ "$(date +%s)" -lt "$end" ] && [ "$(cat $L/stages 2>/dev/null | grep -c ' done$')" -lt "$lanes" ]; do
+      sleep 5
+    done
     cat $L/stages; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
     tar czf "$OUT/res.tgz" -C $L res && tar czf "$OUT/logs.tgz" -C $L $(cd $L && ls *.log stages) ;;
   *) echo "usage: gpu_lanes.sh start LANE_FILE... | poll SECONDS" >&2; exit 2 ;;

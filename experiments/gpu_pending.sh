@@ -138,14 +138,16 @@ case ${1:-tests} in
   bi_gap)  # issue 35: spec_ablation_batch_invariant_h200 had 1-2 of 128 requests differ from plain greedy at batch 32
           # with eagle3 / eagle / medusa / draft_model (seeds 0 and 2 of eagle3). Bisect: which switch makes it 1.0?
     [ -d outputs/reference/target ] || SIDE_BY_SIDE=1 bash experiments/train_reference.sh outputs/reference
+    head=${BI_GAP_HEAD:-eagle3}  # eagle3 | medusa (its head trains in ~1 min: a quicker bisect)
     cell="experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf model.name=outputs/reference/target
-      spec=eagle3 spec.model=outputs/reference/eagle3 spec.num_speculative_tokens=5 workload.temperature=0.0
+      spec=$head spec.model=outputs/reference/$head spec.num_speculative_tokens=5 workload.temperature=0.0
       workload.max_tokens=64 runner.num_gpu_blocks=4096 runner.batch_invariant=true runner.max_num_seqs=32
       workload.num_requests=128 warmup_requests=32 seed=0,2"
-    for variant in "" runner.async_scheduling=false runner.cuda_graphs=false runner.enable_prefix_caching=false \
-                   runner.separate_prefills=false; do
-      python -m research_lm -m $cell $variant hydra.sweep.dir=multirun/bi_gap/${variant:-as_is}
-      echo "${variant:-as is}: $(grep -h outputs_match_baseline multirun/bi_gap/${variant:-as_is}/*/results.json | tr -d ' \n')"
+    for variant in ${BI_GAP_VARIANTS:-as_is runner.async_scheduling=false runner.cuda_graphs=false \
+                     runner.enable_prefix_caching=false runner.separate_prefills=false}; do
+      dir=multirun/bi_gap/$(echo "$variant" | tr '=.' '__')  # Hydra refuses '=' in an override's value
+      python -m research_lm -m $cell $([ "$variant" = as_is ] || echo "$variant") hydra.sweep.dir=$dir
+      echo "$variant: $(grep -h outputs_match_baseline $dir/*/results.json | tr -d ' \n')"
     done ;;
   tree_host)  # issue 29: where a token-tree step's time goes (spec_tree_h200: tree16 at 0.17x, 10x a chain's step),
               # with the Triton compiles inside the measured runs; tables to outputs/ (diagnostics, not results)

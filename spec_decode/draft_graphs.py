@@ -101,6 +101,22 @@ DraftForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tenso
                         tuple[torch.Tensor, torch.Tensor | None]]
 
 
+def graph_metadata(backends: dict[str, Any], qsl: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
+                   block_table: torch.Tensor, request_rows: torch.Tensor, num_tokens: int, max_query_len: int,
+                   max_seq_len: int, block_size: int, tree_bits: torch.Tensor | None = None) -> dict[str, Any]:
+    """Each backend's metadata (name -> its own) over a graph's persistent buffers, built once at capture: a replay
+    reads the buffers' values of then (query_start_loc [B + 1], seq_lens [B] int32, slot_mapping [T] int64, block
+    table rows [B, blocks], request rows [B] int32, token-tree masks [T] int64 or None)."""
+    num_reqs = len(seq_lens)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
+        num_computed_tokens_cpu=torch.zeros(num_reqs, dtype=torch.int32), block_table=block_table,
+        slot_mapping=slots, request_rows=request_rows, num_reqs=num_reqs, num_tokens=num_tokens,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=block_size, tree_bits=tree_bits,
+    )
+    return {name: b.build_metadata(common) for name, b in backends.items()}
+
+
 @dataclass(frozen=True)
 class _Layout:
     """Offsets into `staging` for B requests of at most q entry rows each."""
@@ -238,14 +254,9 @@ class DraftGraphs:
                 self._replay[lay, rule] = pool(self._draft_fn(lay, rule))
 
     def _record(self, qsl, seq_lens, slots, num_reqs: int, num_tokens: int, max_query_len: int) -> dict[str, Any]:
-        """Each backend's metadata over these buffers, built once at capture."""
-        common = CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
-            num_computed_tokens_cpu=torch.zeros(num_reqs, dtype=torch.int32), block_table=self.block_table[:num_reqs],
-            slot_mapping=slots, request_rows=self.request_rows[:num_reqs], num_reqs=num_reqs, num_tokens=num_tokens,
-            max_query_len=max_query_len, max_seq_len=self._max_seq_len, block_size=self.block_size,
-        )
-        return {name: b.build_metadata(common) for name, b in self._backends.items()}
+        return graph_metadata(self._backends, qsl, seq_lens, slots, self.block_table[:num_reqs],
+                              self.request_rows[:num_reqs], num_tokens, max_query_len, self._max_seq_len,
+                              self.block_size)
 
     def _fill_for_capture(self, lay: _Layout) -> None:
         """B greedy requests of q rows at positions 0 .. q-1, writing no KV (request row -1), budget 0."""

@@ -74,6 +74,7 @@ from spec_decode.heads import (
     start_drafting,
     token_span,
 )
+from spec_decode.tree_graphs import TreeGraphs
 
 
 def _variant(tensors: dict[str, torch.Tensor], prefix: str) -> LlamaVariant:
@@ -261,7 +262,8 @@ class EagleProposer(Proposer):
     (the target restarts at c = 0 or a prefix hit) or a prefill chunk, the head's KV below the
     target's computed tokens is exactly what the target's features give. Then up to k - 1 chained
     single-token steps at positions n, n+1, ... (the scheduler's lookahead slots); or, with a token tree
-    (static, or EAGLE-2's dynamic one), its levels (spec_decode/eagle_tree.py: eager, at collect).
+    (static, or EAGLE-2's dynamic one), its levels (spec_decode/eagle_tree.py, at collect: a static tree's from
+    CUDA graphs where they were captured, spec_decode/tree_graphs.py).
     """
 
     def __init__(
@@ -283,6 +285,7 @@ class EagleProposer(Proposer):
         self.max_model_len = max_model_len
         self.cache_layers = cache_layers_of(head)
         self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
+        self.tree_graphs: TreeGraphs | None = None  # a static tree's levels, set by capture_cuda_graphs
         self.token_tree = token_tree
         self.tree_drafter: EagleTree | DynamicEagleTree | None = None
         if isinstance(token_tree, TokenTree):
@@ -398,6 +401,9 @@ class EagleProposer(Proposer):
         starts, lens = span[1], span[2]
         last = to_device(last_rows(lens, drafting.index), torch.int64, out.device)  # each request's last row
         roots = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
+        if self.tree_graphs is not None and self.tree_graphs.serves(len(roots)):
+            tokens = self.tree_graphs.run(outcome.common.block_table, drafting.index, roots, out[last], hidden[last])
+            return Drafts(drafting.index, tokens, [self.tree_drafter.real_nodes[b] for b in drafting.budget])
         return self.tree_drafter.draft(outcome.common, drafting.index, drafting.budget, roots, out[last], hidden[last])
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture | GraphPool, block_size: int,
@@ -406,15 +412,21 @@ class EagleProposer(Proposer):
                             tokens: TokenTable | None = None, prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
         "verified" ones (where the runner hands over its token table) read the target's argmax and input ids in
-        place where the runner hands their buffers over, and write the drafts into the table. None with a token
-        tree (trees draft eagerly, so far)."""
-        if self.tree_drafter is not None:
-            return
+        place where the runner hands their buffers over, and write the drafts into the table. A static token
+        tree's levels get graphs of their own (spec_decode/tree_graphs.py; its entry stays eager); a dynamic tree
+        drafts eagerly."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.head, backends, lengths_on_device=True) is not None:
             return
         multi_token = all(b.capabilities.cuda_graphs_multi_token for b in backends)
         fc = self.head.fc.weight  # [H, fc input]
+        if self.tree_drafter is not None:
+            if isinstance(self.tree_drafter, EagleTree) and multi_token:
+                self.tree_graphs = TreeGraphs(
+                    self.tree_drafter, layers=self.cache_layers, sizes=sizes, hidden=fc.shape[0], dtype=fc.dtype,
+                    block_size=block_size, max_blocks_per_req=max_blocks_per_req,
+                    max_seq_len=self.max_model_len + self.num_lookahead_tokens, device=fc.device, capture=capture)
+            return
         # The entry reads the target's features: EAGLE-3 its aux streams (fc's input), EAGLE-1 its hidden state.
         width = fc.shape[1] if isinstance(self.head, Eagle3Head) else fc.shape[0]
         self.graphs = DraftGraphs(

@@ -1,4 +1,5 @@
-"""Static token trees (vLLM's `speculative_token_tree`) drafted by an EAGLE or EAGLE-3 head, eagerly.
+"""Static token trees (vLLM's `speculative_token_tree`) drafted by an EAGLE or EAGLE-3 head: eagerly, or (the levels
+below the root) from CUDA graphs (spec_decode/tree_graphs.py).
 
 Node (r1, ..., rd) holds the rank-rd token of the head's distribution at its parent node: top-k of the head's logits
 over the target vocabulary (EAGLE-3's draft ids mapped to target ids, as the chain maps them). Node 0, the root, is
@@ -46,6 +47,9 @@ from spec_decode.heads import draft_metadata
 # and its logits over the target vocabulary, [n, H] -> [n, >= vocab] fp32.
 HeadForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 HeadLogits = Callable[[torch.Tensor], torch.Tensor]
+# A static tree's block of nodes 1..m: (m, their tokens [n, m], their parents' features [n, m, H]) -> the head's
+# (output, next feature) at them, each [n, m, H] (eagerly: `run_block`; in a graph: spec_decode/tree_graphs.py).
+Block = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -98,23 +102,31 @@ class EagleTree:
     ) -> Drafts:
         """The tree's nodes 1..N as each request's drafts, [n, N] int64, with its real node count."""
         n = len(rows)
+
+        def block(m: int, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            nodes = slice(1, m + 1)  # the root, bit 0, is in the cached context
+            return run_block(self.forward, self.layers, step, rows, root_positions, tokens, features,
+                             self.depths[nodes].expand(n, -1), (self.bits[nodes] >> 1).expand(n, -1))
+
         tokens = torch.zeros(n, self.tree.num_drafts, dtype=torch.int64, device=root_out.device)
+        self.grow(root_out, root_carry, block, tokens)
+        return Drafts(rows, tokens, [self.real_nodes[b] for b in budgets])
+
+    def grow(self, root_out: torch.Tensor, root_carry: torch.Tensor, block: Block, tokens: torch.Tensor) -> None:
+        """Depth by depth from the roots' head outputs root_out and root_carry [n, H], the tree's nodes 1..N into
+        tokens [n, N] (node j in column j - 1). `block` runs the head over nodes 1..M, those of depth < d."""
+        n = tokens.shape[0]
         out, carry = root_out[:, None], root_carry[:, None]  # [n, 1 + M, H]: the root's, then nodes 1..M
         for depth, level in enumerate(self.levels, start=1):
             if depth > 1:
-                num_nodes = self.real_nodes[depth - 1]
-                nodes = slice(1, num_nodes + 1)
-                block_out, block_carry = run_block(
-                    self.forward, self.layers, step, rows, root_positions, tokens[:, :num_nodes],
-                    carry[:, self.parents[nodes]], self.depths[nodes].expand(n, -1),
-                    (self.bits[nodes] >> 1).expand(n, -1))  # the root, bit 0, is in the cached context
+                m = self.real_nodes[depth - 1]
+                block_out, block_carry = block(m, tokens[:, :m], carry[:, self.parents[1 : m + 1]])
                 out = torch.cat([root_out[:, None], block_out], dim=1)
                 carry = torch.cat([root_carry[:, None], block_carry], dim=1)
             parents = out[:, level.parents]  # [n, P, H]
             logits = self.logits(parents.flatten(0, 1))[:, : self.vocab_size].view(n, parents.shape[1], -1)
             top = logits.topk(level.width, dim=-1).indices  # [n, P, width]
             tokens[:, level.columns] = top[:, level.parent_of, level.ranks]
-        return Drafts(rows, tokens, [self.real_nodes[b] for b in budgets])
 
 
 class DynamicEagleTree:

@@ -1,0 +1,63 @@
+"""A static token tree's levels from graphs (spec_decode/tree_graphs.py) against the eager levels.
+
+On CPU the graph is stood in for by a re-run over the same persistent buffers (`eager_capture`), with the Triton
+attention kernels under the interpreter: every step's drafts must equal the eager tree's (the levels' positions,
+KV slots, ancestor masks and parent features come from the roots inside the graph), over padded and shrinking
+batches, and greedy outputs plain decoding's. The GPU test captures real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from research_lm import LLM, SamplingParams
+from research_lm.worker.cuda_graphs import cuda_graph_capture, eager_capture
+from spec_decode.tree_graphs import TreeGraphs
+from tests.spec_decode.spying import record_drafts
+from tests.spec_decode.test_eagle_tree import BRANCHING, SHIPPED, TEXTS
+
+KNOBS = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
+             attention_backend="triton", enable_prefix_caching=False, cuda_graphs=False)
+# different lengths: the batch shrinks 4 -> 3 (padded to 4) -> 2 -> 1
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 16, 24, 32)]
+
+
+def _graph_llm(device: str, capture) -> tuple[LLM, list[int]]:
+    """An LLM whose tree levels replay graphs of sizes 1, 2 and 4; and the drafting requests of each replay."""
+    llm = LLM("tiny-llama", device=device, **KNOBS, speculative_config={**SHIPPED, "speculative_token_tree": BRANCHING})
+    runner = llm.engine.runner
+    runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=capture, block_size=runner.block_size,
+                                        max_blocks_per_req=runner.buffers.block_table.gpu.shape[1])
+    graphs, replays = runner.proposer.tree_graphs, []
+    assert isinstance(graphs, TreeGraphs) and graphs.sizes == [1, 2, 4]
+    run = graphs.run
+    graphs.run = lambda block_table, rows, *rest: replays.append(len(rows)) or run(block_table, rows, *rest)
+    return llm, replays
+
+
+def _check(device: str, capture) -> None:
+    prompts = TEXTS[:4]
+    plain = [o.outputs[0].token_ids for o in LLM("tiny-llama", device=device, **KNOBS).generate(
+        prompts, PARAMS, use_tqdm=False)]
+    eager = LLM("tiny-llama", device=device, **KNOBS, speculative_config={**SHIPPED,
+                                                                         "speculative_token_tree": BRANCHING})
+    want_drafts, _ = record_drafts(eager.engine.runner.proposer)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, PARAMS, use_tqdm=False)]
+    llm, replays = _graph_llm(device, capture)
+    drafts, _ = record_drafts(llm.engine.runner.proposer)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    assert got == want == plain
+    assert drafts == want_drafts and len(drafts) > 0
+    assert 3 in replays and 1 in replays  # padded (3 -> 4) and single-request replays both ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
+def test_graph_levels_draft_what_the_eager_levels_draft():
+    _check("cpu", eager_capture)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_graph_levels_draft_what_the_eager_levels_draft():
+    _check("cuda", cuda_graph_capture)
