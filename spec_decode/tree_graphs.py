@@ -54,6 +54,7 @@ class TreeGraphs:
         self.offsets = torch.arange(1, num_nodes + 1, **i64)  # node j's KV slot: root + j
         self._backends = {layer.backend.name: layer.backend for layer in layers}
         self._replay: dict[int, Callable[[], None]] = {}
+        self._keep: dict[int, tuple[Any, ...]] = {}
         pool = GraphPool.of(capture)
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             self.staging.zero_()  # all padding: a warm-up run writes no KV
@@ -65,6 +66,7 @@ class TreeGraphs:
         real = torch.zeros(b, dtype=torch.bool, device=roots.device)  # rows < n, computed in the graph
         block_table, last_block = self.block_table[:b], self.block_table.shape[1] - 1
         records = {m: self._level(b, m) for m in tree.real_nodes[1 : tree.tree.depth]}
+        self._keep[b] = (real, records)  # a capture keeps the graph, not this function: its buffers must outlive it
 
         def block(m: int, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             positions, slots, seq_lens, metadata = records[m]
