@@ -258,8 +258,14 @@ def test_a_shipped_profile_loads_by_name_and_an_unknown_one_lists_them():
 
     anchor = load_profile("vllm_eagle3_llama31_8b_mtbench_k4")
     assert anchor.num_speculative_tokens == 4 and abs(expected_tau(anchor) - 3.08) < 1e-3
-    with pytest.raises(ValueError, match=r"no shipped profile of that name \(shipped: \['vllm_eagle3_llama31_8b"):
+    with pytest.raises(ValueError, match=r"no shipped profile of that name \(shipped: \['reference_draft_model_k5', "
+                                         r"'reference_eagle3_k5', 'reference_medusa_k5', 'reference_ngram_k5', "
+                                         r"'vllm_eagle3_llama31_8b"):
         load_profile("no_such_profile")
+    for method in ("eagle3", "medusa", "draft_model", "ngram"):  # the reference pair's, recorded on the GPU
+        profile = load_profile(f"reference_{method}_k5")
+        assert profile.num_speculative_tokens == 5 and len(profile.traces) == 8 and f"{method} k=5" in profile.source
+    assert abs(expected_tau(load_profile("reference_eagle3_k5")) - 4.658) < 1e-3  # spec_replay_validation_h200's tau
 
 
 @pytest.mark.gpu

@@ -196,6 +196,7 @@ class AcceptanceReplay:
             self.trace_lens = torch.tensor([len(t) for t in profile.traces], dtype=torch.int64, device=device)
         self.trace_of = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [R] the row's trace
         self.cursor = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [R] its verify steps so far
+        self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)
         self._admitted: set[str] = set()
         self._num_admitted = 0  # the next request admitted replays trace _num_admitted mod T
 
@@ -239,10 +240,10 @@ class AcceptanceReplay:
 
 
     def advance(self, rows: torch.Tensor, verifies: torch.Tensor | None = None) -> None:
-        """After a verify step: the traces of its requests (rows [n] int64 on the device) that had draft slots
+        """After a verify step: the traces of its requests (rows [n] int32 or int64 on the device) that had draft slots
         (verifies [n] bool; None: all) move on one entry."""
-        if self.traces is not None:
-            step = torch.ones_like(rows) if verifies is None else verifies.long()
+        if self.traces is not None:  # (one kernel where all verify: a replay step's bookkeeping shows in its time)
+            step = self._ones[: len(rows)] if verifies is None else verifies.long()
             self.cursor.index_add_(0, rows, step)
 
 

@@ -39,7 +39,7 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
     if verifies and accepted is not None and _graph_accepts(inputs, scheduled):  # (replay too: the graph's counts)
         (b, q), t = inputs.graph_key, inputs.graph_key[0] * inputs.graph_key[1]
         if replay is not None:  # the graph read the traces' places: they move on
-            replay.advance(inputs.rows[:n].long())
+            replay.advance(inputs.rows[:n])
         return StepTokens(accepted[:t].view(b, q)[:n], accepted[t : t + n], accepted[t + b : t + b + n], None, None,
                           accepted, b)
     # Only some requests sample (others ran a prompt chunk): their rows among the step's, on the device.
