@@ -80,13 +80,14 @@
 # GPUs), the split-K invariant GEMM (`bi`). Tables registered and never run: spec_tree_h200, spec_suffix_h200,
 # spec_transfer_8b_h200, ab_issue28_ablation_eagle3_b8_h200, bench_decode_batch_invariant_h200,
 # bench_throughput_batch_invariant_h200 (and spec_mtp_h200 once its DeepSeek reference script lands).
-#   bash experiments/gpu_pending.sh bi | replay | tp_mamba | tree_host | bi_gap
-# Session 26 (2 x H200, experiments/gpu_lanes.sh's way) ran `tests`, `tp_mamba` and `bi` at 6fdec22 (all passed but a
-# test bug, fixed), `replay`, the batch-invariance tables, spec_ablation_batch_invariant_h200 and
-# ab_issue28_ablation_eagle3_b8_h200; spec_tree_h200 and spec_suffix_h200 were cut by their timeouts (PERFORMANCE.md,
-# twenty-fifth pass). Next: `bi` again (its sweep now times calls in a CUDA graph; it rewrites the tuned tiles), then
-# the two batch-invariance tables; `replay` (per-request traces since df435ae); spec_tree_h200 with --gpus 2 (~9 min of
-# parts at one GPU each: give it 2 lanes' worth); spec_transfer_8b_h200; spec_mtp_h200.
+#   bash experiments/gpu_pending.sh bi | replay | tp_mamba | tree_host | tree_profile | bi_gap
+# Session 26 (2 x H200, experiments/gpu_lanes.sh's way) ran `tests`, `tp_mamba` and `bi` at 6fdec22, `replay`, the
+# batch-invariance tables, spec_ablation_batch_invariant_h200 and ab_issue28_ablation_eagle3_b8_h200; session 27 ran
+# `bi` (retuned tiles) and both batch-invariance tables, spec_replay_validation_h200, spec_transfer_8b_h200, bench_decode
+# beside gpt-fast, `bi_gap` with Medusa (as is / async off / graphs off) and the tree-graph A/B (PERFORMANCE.md,
+# twenty-sixth pass). Next: `tree_profile` (~1 min), spec_tree_h200 (--gpus 2), `BI_GAP_HEAD=medusa
+# BI_GAP_VARIANTS="runner.enable_prefix_caching=false runner.separate_prefills=false" ... bi_gap`, spec_suffix_h200,
+# spec_mtp_h200 (needs experiments/train_reference_mtp.sh first), then `tests` at the final commit.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
@@ -154,6 +155,26 @@ case ${1:-tests} in
     for m in eagle3_tree16 eagle3_dynamic eagle3; do
       python experiments/bench_spec_host.py --method $m --k 4 --batch 1 --out outputs/tree_host --name host_$m
     done ;;
+  tree_profile)  # issue 29: where a tree16 step's 4.6 ms go (the timed phases add up to under half): torch profile of
+                 # the built-in pair at batch 1, kernels and host ops by total time, and the tree step count
+    python - <<'PY'
+import torch
+from torch.profiler import ProfilerActivity, profile
+from research_lm import LLM, SamplingParams
+tree = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0),
+        (1, 0, 0), (0, 0, 0, 0), (0, 0, 1, 0)]
+llm = LLM("tiny-llama", speculative_config={"method": "eagle3", "model": "tiny-llama-eagle3",
+                                            "speculative_token_tree": tree}, max_num_seqs=1)
+prompt, params = ["def fibonacci(n):\n    "], SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+llm.generate(prompt, params, use_tqdm=False)
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    out = llm.generate(prompt, params, use_tqdm=False)
+m = out[0].metrics
+print("steps ~", m.num_output_tokens - m.num_accepted_tokens, "tokens", m.num_output_tokens)
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+PY
+    ;;
   bi)  # issue 35: the GPU proofs, then the invariant GEMM against cuBLAS and the tile sweep that rewrites the tuned tiles
     python -m pytest tests/test_batch_invariant_gpu.py tests/ops/test_batch_invariant.py -m "gpu or not gpu" \
       -p no:cacheprovider -rfE -q

@@ -159,14 +159,12 @@ def test_a_requests_replayed_counts_do_not_depend_on_its_batch(temperature):
                          ids=["rates", "traces"])
 def test_verify_graphs_with_drafting_behind_them_replay_as_eager_steps(profile, monkeypatch):
     """Verify graphs (re-run on CPU, the triton backend interpreted), EAGLE-3's "verified" draft graphs and async
-    scheduling: the graphs compute the replayed counts themselves (`replay_greedy`), and the counts and tokens equal
+    scheduling: the graphs compute the replayed counts themselves (`accept_greedily`), and the counts and tokens equal
     the synchronous eager engine's. The draft graph re-derives acceptance from the verify's argmax, which the replay
     rewrites; were it not, the drafter would enter other tokens and the tokens would differ."""
-    from research_lm.worker import cuda_graphs
-
     in_graph = []
-    replay_greedy = cuda_graphs.replay_greedy
-    monkeypatch.setattr(cuda_graphs, "replay_greedy", lambda *a: in_graph.append(1) or replay_greedy(*a))
+    accept = AcceptanceReplay.accept_greedily
+    monkeypatch.setattr(AcceptanceReplay, "accept_greedily", lambda *a: in_graph.append(1) or accept(*a))
     knobs = dict(block_size=4, max_num_batched_tokens=16, num_gpu_blocks=60, max_model_len=64,
                  attention_backend="triton", enable_prefix_caching=False)
     prompts, params = PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, seed=3)

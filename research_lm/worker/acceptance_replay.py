@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+import research_lm.ops
 from research_lm.assets import ASSETS
 from research_lm.worker import rng
 from research_lm.worker.rng import to_device
@@ -238,6 +239,35 @@ class AcceptanceReplay:
         u = rng.uniform_rows(self.seeds[safe], num_tokens.to(torch.int64), rng.REPLAY, k, self.device)  # [n, k]
         return (u < self.rates[:k]).long().cumprod(dim=1).sum(dim=1)
 
+
+    def accept_greedily(
+        self,
+        num_tokens: torch.Tensor,  # [R] int: every table row's tokens before the step
+        rows: torch.Tensor,  # [>= b] int32: each request's table row, -1 on padding
+        num_drafts: torch.Tensor,  # [R] int32: every table row's real drafts
+        input_ids: torch.Tensor,  # [>= b*q] int64: the step's ids (each request's newest token, then its drafts)
+        greedy: torch.Tensor,  # [>= b*q] int64: their argmax (rows 0 .. n of each request are overwritten)
+        logits: torch.Tensor,  # [>= b*q, V] float32
+        packed: torch.Tensor,  # [>= b*q + 2b] int64, written: emitted, n + 1, real (`GraphStep.accepted`)
+        b: int,
+        q: int,
+    ) -> None:
+        """A verify graph's greedy acceptance of b plain-greedy requests of q rows under replay: `counts` capped by
+        the real drafts, then `replay_greedy`; on CUDA one kernel (research_lm/ops/replay_accept.py), the same
+        numbers."""
+        if self.device.type in research_lm.ops.FUSED_DEVICE_TYPES:
+            from research_lm.ops.replay_accept import replay_accept  # Triton, imported when a kernel runs
+
+            return replay_accept(self, rows, num_tokens, num_drafts, input_ids, greedy, logits, packed, b, q)
+        t, row = b * q, rows[:b].long()
+        safe = row.clamp(min=0)
+        real = num_drafts[safe].long()
+        n_acc = torch.minimum(self.counts(row, num_tokens[safe], q - 1), real)
+        emitted = replay_greedy(logits[:t].view(b, q, -1), greedy[:t].view(b, q), input_ids[:t].view(b, q)[:, 1:],
+                                n_acc, real)
+        packed[:t].view(b, q).copy_(emitted)
+        packed[t : t + b].copy_(n_acc + 1)
+        packed[t + b : t + 2 * b].copy_(real)
 
     def advance(self, rows: torch.Tensor, verifies: torch.Tensor | None = None) -> None:
         """After a verify step: the traces of its requests (rows [n] int32 or int64 on the device) that had draft slots

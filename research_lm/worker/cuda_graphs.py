@@ -55,7 +55,6 @@ from typing import Any
 import torch
 
 from attention_zoo import CommonAttentionMetadata
-from research_lm.worker.acceptance_replay import replay_greedy
 from research_lm.worker.buffers import StepBuffers
 from research_lm.worker.verification import accept_greedily
 
@@ -250,9 +249,9 @@ class DecodeGraphs:
     `greedy_ids`; without, they hold the forward only. prefill_sizes: query lengths captured at B = 1 for
     one request's prompt or chunk, always forward only (`prefill` lists the captured ones). max_seq_len:
     max_model_len. num_drafts ([R] int32, the device table of real drafts per request row): verify graphs also
-    accept each request's drafts greedily (`GraphStep.accepted`), or under acceptance replay keep the counts that
-    replay_counts gives (`AcceptanceReplay.counts` of (rows, k)). tree_bits: verify graphs of a token tree attend
-    through these masks (`CommonAttentionMetadata.tree_bits`), written before each replay."""
+    accept each request's drafts greedily (`GraphStep.accepted`), or under acceptance replay let replay_accept
+    write it (`AcceptanceReplay.accept_greedily`, bound to the token counts). tree_bits: verify graphs of a token
+    tree attend through these masks (`CommonAttentionMetadata.tree_bits`), written before each replay."""
 
     def __init__(
         self,
@@ -268,14 +267,14 @@ class DecodeGraphs:
         vocab_size: int | None = None,
         prefill_sizes: Sequence[int] = (),
         num_drafts: torch.Tensor | None = None,
-        replay_counts: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+        replay_accept: Callable[..., None] | None = None,
         tree_bits: torch.Tensor | None = None,
         capture: Capture | GraphPool = cuda_graph_capture,
     ):
         assert (compute_logits is None) == (vocab_size is None), "compute_logits needs vocab_size"
         self.buffers = buffers
         self.num_drafts = num_drafts
-        self.replay_counts = replay_counts  # (rows [b], k) -> replayed counts [b]: AcceptanceReplay.counts, bound
+        self.replay_accept = replay_accept  # (rows, num_drafts, ids, argmax, logits, packed, b, q): writes packed
         self.tree_bits = tree_bits  # [max tokens] int64: a token tree's masks, which verify graphs read in place
         # At most max_num_seqs requests and max_num_batched_tokens tokens per step.
         self.sizes: dict[int, list[int]] = {}  # query length -> captured batch sizes, ascending
@@ -350,15 +349,15 @@ class DecodeGraphs:
         """`accept_greedily` over the graph's b requests of q tokens (the newest token, then q - 1 draft slots, the
         first num_drafts[row] of them real), packed as `GraphStep.accepted`. Padding requests (row -1) emit garbage
         that nothing reads."""
+        if self.replay_accept is not None:  # acceptance replay: the profile's counts, as an eager step computes them
+            self.replay_accept(self.buffers.request_rows.gpu, self.num_drafts, self.buffers.input_ids.gpu,
+                               self.greedy_ids, self.logits, self.accepted, b, q)
+            return
         t = b * q
         rows = self.buffers.request_rows.gpu[:b].long()
         real = self.num_drafts[rows.clamp(min=0)].long()
         drafts, greedy = self.buffers.input_ids.gpu[:t].view(b, q)[:, 1:], self.greedy_ids[:t].view(b, q)
-        if self.replay_counts is None:
-            emitted, n_acc = accept_greedily(drafts, greedy, real)
-        else:  # acceptance replay: the profile's counts, computed here as an eager step computes them
-            n_acc = torch.minimum(self.replay_counts(rows, q - 1), real)
-            emitted = replay_greedy(self.logits[:t].view(b, q, -1), greedy, drafts, n_acc, real)
+        emitted, n_acc = accept_greedily(drafts, greedy, real)
         packed = self.accepted
         packed[:t].view(b, q).copy_(emitted)
         packed[t : t + b].copy_(n_acc + 1)

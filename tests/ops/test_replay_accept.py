@@ -1,0 +1,62 @@
+"""Acceptance replay's verify kernel (research_lm/ops/replay_accept.py) writes what its torch path writes
+(`AcceptanceReplay.accept_greedily`: `counts`, then `replay_greedy`), bit for bit: replayed counts from traces and from
+rates, capped by the real drafts, the correction that skips a rejected real draft, ties and padding rows, and the
+forged argmax rows. Under the Triton interpreter on CPU with a tiny vocabulary and the column block shrunk to 16, so
+each row scan spans several iterations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import research_lm.ops
+import research_lm.ops.replay_accept as kernel_mod
+from research_lm.worker.acceptance_replay import AcceptanceReplay, load_profile
+
+V, K, B, R = 37, 4, 5, 8
+TRACES = [[[4, 4], [4, 0], [4, 2]], [[4, 1]], [[4, 3], [2, 2]]]
+
+
+def _replay(traces: bool) -> AcceptanceReplay:
+    profile = load_profile({"source": "test", "num_speculative_tokens": K, "per_position": [0.9, 0.7, 0.6, 0.5],
+                            "traces": TRACES if traces else None})
+    replay = AcceptanceReplay(profile, K, torch.device("cpu"), max_num_reqs=R)
+    replay.seeds.copy_(torch.tensor([3, -7, 11, 2**62, 5, 0, 9, 1]))
+    replay.trace_of.copy_(torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
+    replay.cursor.copy_(torch.tensor([0, 5, 1, 2, 0, 3, 7, 1]))
+    return replay
+
+
+def _step(gen: torch.Generator):
+    """b = 5 requests (the last a padding row) of q = k + 1 rows, logits with ties at the top."""
+    q, t = K + 1, B * K + B
+    logits = torch.randint(0, 4, (t, V), generator=gen).float()  # few values: many exact ties
+    input_ids = torch.randint(0, V, (t,), generator=gen)
+    greedy = logits.argmax(dim=-1)
+    input_ids.view(B, q)[:2, 1:3] = greedy.view(B, q)[:2, :2]  # some drafts the target agrees with
+    rows = torch.tensor([2, 0, 7, 4, -1], dtype=torch.int32)
+    num_drafts = torch.tensor([4, 2, 4, 0, 3, 1, 4, 4], dtype=torch.int32)
+    num_tokens = torch.tensor([10, 31, 7, 100, 55, 3, 18, 64], dtype=torch.int32)
+    return num_tokens, rows, num_drafts, input_ids, greedy, logits, q
+
+
+@pytest.mark.parametrize("traces", [True, False], ids=["traces", "rates"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_kernel_writes_what_the_torch_path_writes(traces, seed, monkeypatch):
+    num_tokens, rows, num_drafts, input_ids, greedy, logits, q = _step(torch.Generator().manual_seed(seed))
+    out, launches = {}, []
+    real = kernel_mod.replay_accept
+    monkeypatch.setattr(kernel_mod, "replay_accept", lambda *a: launches.append(1) or real(*a))
+    for fused in (False, True):
+        monkeypatch.setattr(research_lm.ops, "FUSED_DEVICE_TYPES", ("cuda", "cpu") if fused else ("cuda",))
+        monkeypatch.setattr(kernel_mod, "_MAX_BLOCK", 16)
+        g, packed = greedy.clone(), torch.full((B * q + 2 * B,), -9, dtype=torch.int64)
+        _replay(traces).accept_greedily(num_tokens, rows, num_drafts, input_ids, g, logits, packed, B, q)
+        out[fused] = (g, packed)
+    (g_ref, p_ref), (g, p) = out[False], out[True]
+    assert launches == [1]  # the kernel ran once, for the fused pass only
+    t = B * q
+    assert torch.equal(p[: t + 2 * B], p_ref[: t + 2 * B]) and torch.equal(g, g_ref)
+    n = p_ref[t : t + B] - 1
+    assert (n <= p_ref[t + B : t + 2 * B]).all() and (n[:4] > 0).any()  # capped by the real drafts; some kept
+    assert not torch.equal(g_ref, greedy)  # rows 0 .. n were forged
