@@ -60,3 +60,26 @@ def test_the_kernel_writes_what_the_torch_path_writes(traces, seed, monkeypatch)
     n = p_ref[t : t + B] - 1
     assert (n <= p_ref[t + B : t + 2 * B]).all() and (n[:4] > 0).any()  # capped by the real drafts; some kept
     assert not torch.equal(g_ref, greedy)  # rows 0 .. n were forged
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("traces", [True, False], ids=["traces", "rates"])
+def test_on_cuda_the_kernel_writes_what_the_torch_path_writes(traces, monkeypatch):
+    """A real vocabulary (128256 columns, near-ties from bf16-rounded logits) on the GPU."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, rows, num_drafts, input_ids, _, _, q = _step(gen)
+    logits = torch.randn(B * q, 128256, generator=gen).bfloat16().float()
+    greedy = logits.argmax(dim=-1)
+    cuda = [x.cuda() for x in (num_tokens, rows, num_drafts, input_ids, greedy, logits)]
+    replay = _replay(traces)
+    for name in ("seeds", "trace_of", "cursor", "rates", *(("traces", "trace_lens") if traces else ())):
+        setattr(replay, name, getattr(replay, name).cuda())
+    replay.device = torch.device("cuda")
+    out = {}
+    for fused in (False, True):
+        monkeypatch.setattr(research_lm.ops, "FUSED_DEVICE_TYPES", ("cuda",) if fused else ())
+        g, packed = cuda[4].clone(), torch.full((B * q + 2 * B,), -9, dtype=torch.int64, device="cuda")
+        replay.accept_greedily(cuda[0], cuda[1], cuda[2], cuda[3], g, cuda[5], packed, B, q)
+        out[fused] = (g.cpu(), packed.cpu())
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
