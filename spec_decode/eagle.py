@@ -262,8 +262,8 @@ class EagleProposer(Proposer):
     (the target restarts at c = 0 or a prefix hit) or a prefill chunk, the head's KV below the
     target's computed tokens is exactly what the target's features give. Then up to k - 1 chained
     single-token steps at positions n, n+1, ... (the scheduler's lookahead slots); or, with a token tree
-    (static, or EAGLE-2's dynamic one), its levels (spec_decode/eagle_tree.py, at collect: a static tree's from
-    CUDA graphs where they were captured, spec_decode/tree_graphs.py).
+    (static, or EAGLE-2's dynamic one), its levels (spec_decode/eagle_tree.py, at collect: from CUDA graphs where
+    they were captured, spec_decode/tree_graphs.py).
     """
 
     def __init__(
@@ -293,7 +293,7 @@ class EagleProposer(Proposer):
                                           head.fc.weight.device)
         elif token_tree is not None:
             self.tree_drafter = DynamicEagleTree(token_tree, self._forward, self._logits, self.cache_layers,
-                                                 vocab_size)
+                                                 vocab_size, head.fc.weight.device)
         if self.tree_drafter is not None:
             self.num_lookahead_tokens = self.tree_drafter.num_lookahead_tokens
 
@@ -402,8 +402,9 @@ class EagleProposer(Proposer):
         last = to_device(last_rows(lens, drafting.index), torch.int64, out.device)  # each request's last row
         roots = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
         if self.tree_graphs is not None and self.tree_graphs.serves(len(roots)):
-            tokens = self.tree_graphs.run(outcome.common.block_table, drafting.index, roots, out[last], hidden[last])
-            return Drafts(drafting.index, tokens, [self.tree_drafter.real_nodes[b] for b in drafting.budget])
+            tokens, parents = self.tree_graphs.run(outcome.common.block_table, drafting.index, roots, drafting.budget,
+                                                   out[last], hidden[last])
+            return Drafts(drafting.index, tokens, self.tree_drafter.real_counts(drafting.budget), tree_parents=parents)
         return self.tree_drafter.draft(outcome.common, drafting.index, drafting.budget, roots, out[last], hidden[last])
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture | GraphPool, block_size: int,
@@ -412,16 +413,15 @@ class EagleProposer(Proposer):
                             tokens: TokenTable | None = None, prefill_sizes: Sequence[int] = ()) -> None:
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
         "verified" ones (where the runner hands over its token table) read the target's argmax and input ids in
-        place where the runner hands their buffers over, and write the drafts into the table. A static token
-        tree's levels get graphs of their own (spec_decode/tree_graphs.py; its entry stays eager); a dynamic tree
-        drafts eagerly."""
+        place where the runner hands their buffers over, and write the drafts into the table. A token tree's levels
+        (static or dynamic) get graphs of their own (spec_decode/tree_graphs.py; its entry stays eager)."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.head, backends, lengths_on_device=True) is not None:
             return
         multi_token = all(b.capabilities.cuda_graphs_multi_token for b in backends)
         fc = self.head.fc.weight  # [H, fc input]
         if self.tree_drafter is not None:
-            if isinstance(self.tree_drafter, EagleTree) and multi_token:
+            if multi_token:
                 self.tree_graphs = TreeGraphs(
                     self.tree_drafter, layers=self.cache_layers, sizes=sizes, hidden=fc.shape[0], dtype=fc.dtype,
                     block_size=block_size, max_blocks_per_req=max_blocks_per_req,

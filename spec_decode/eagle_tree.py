@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,9 +48,10 @@ from spec_decode.heads import draft_metadata
 # and its logits over the target vocabulary, [n, H] -> [n, >= vocab] fp32.
 HeadForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 HeadLogits = Callable[[torch.Tensor], torch.Tensor]
-# A static tree's block of nodes 1..m: (m, their tokens [n, m], their parents' features [n, m, H]) -> the head's
-# (output, next feature) at them, each [n, m, H] (eagerly: `run_block`; in a graph: spec_decode/tree_graphs.py).
-Block = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# A level's block of m nodes per request: (their tokens [n, m], their parents' features [n, m, H], their depths and
+# ancestor masks within the block [n, m]) -> the head's (output, next feature) at them, each [n, m, H] (eagerly:
+# `run_block` over the step; in a graph: spec_decode/tree_graphs.py).
+Block = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -101,48 +103,74 @@ class EagleTree:
         root_carry: torch.Tensor,  # [n, H] and its next feature there (what the children read)
     ) -> Drafts:
         """The tree's nodes 1..N as each request's drafts, [n, N] int64, with its real node count."""
-        n = len(rows)
+        tokens, _ = self.grow(root_out, root_carry, partial(run_block, self.forward, self.layers, step, rows,
+                                                             root_positions))
+        return Drafts(rows, tokens, self.real_counts(budgets))
 
-        def block(m: int, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            nodes = slice(1, m + 1)  # the root, bit 0, is in the cached context
-            return run_block(self.forward, self.layers, step, rows, root_positions, tokens, features,
-                             self.depths[nodes].expand(n, -1), (self.bits[nodes] >> 1).expand(n, -1))
+    def real_counts(self, budgets: Sequence[int]) -> list[int]:
+        return [self.real_nodes[b] for b in budgets]
 
+    def block_sizes(self) -> list[int]:
+        """The node counts of the blocks the levels run (nodes 1..M_d, those of depth < d, for d = 2 .. D)."""
+        return list(self.real_nodes[1 : self.tree.depth])
+
+    def grow(self, root_out: torch.Tensor, root_carry: torch.Tensor, block: Block,
+             budget: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """Depth by depth from the roots' head outputs root_out and root_carry [n, H]: the tree's nodes 1..N, tokens
+        [n, N] (node j in column j - 1), and no parents (the tree is static). `block` runs the head over nodes 1..M,
+        those of depth < d. (budget: unused, `DynamicEagleTree.grow`'s.)"""
+        n = root_out.shape[0]
         tokens = torch.zeros(n, self.tree.num_drafts, dtype=torch.int64, device=root_out.device)
-        self.grow(root_out, root_carry, block, tokens)
-        return Drafts(rows, tokens, [self.real_nodes[b] for b in budgets])
-
-    def grow(self, root_out: torch.Tensor, root_carry: torch.Tensor, block: Block, tokens: torch.Tensor) -> None:
-        """Depth by depth from the roots' head outputs root_out and root_carry [n, H], the tree's nodes 1..N into
-        tokens [n, N] (node j in column j - 1). `block` runs the head over nodes 1..M, those of depth < d."""
-        n = tokens.shape[0]
         out, carry = root_out[:, None], root_carry[:, None]  # [n, 1 + M, H]: the root's, then nodes 1..M
         for depth, level in enumerate(self.levels, start=1):
             if depth > 1:
                 m = self.real_nodes[depth - 1]
-                block_out, block_carry = block(m, tokens[:, :m], carry[:, self.parents[1 : m + 1]])
+                nodes = slice(1, m + 1)  # the root, bit 0, is in the cached context
+                block_out, block_carry = block(tokens[:, :m], carry[:, self.parents[nodes]],
+                                               self.depths[nodes].expand(n, -1), (self.bits[nodes] >> 1).expand(n, -1))
                 out = torch.cat([root_out[:, None], block_out], dim=1)
                 carry = torch.cat([root_carry[:, None], block_carry], dim=1)
             parents = out[:, level.parents]  # [n, P, H]
             logits = self.logits(parents.flatten(0, 1))[:, : self.vocab_size].view(n, parents.shape[1], -1)
             top = logits.topk(level.width, dim=-1).indices  # [n, P, width]
             tokens[:, level.columns] = top[:, level.parent_of, level.ranks]
+        return tokens, None
 
 
 class DynamicEagleTree:
     """Drafts each request's own EAGLE-2 tree with an EAGLE / EAGLE-3 head (module docstring)."""
 
     def __init__(self, tree: DynamicTree, forward: HeadForward, logits: HeadLogits, layers: Sequence[CacheLayer],
-                 vocab_size: int):
+                 vocab_size: int, device: torch.device):
         self.tree = tree
         self.forward, self.logits, self.layers, self.vocab_size = forward, logits, layers, vocab_size
         self.num_lookahead_tokens = tree.block  # the last depth's block: topk nodes per level above it
+        k = tree.topk  # each candidate's depth, candidates laid out depth-major
+        self.depth_of = torch.tensor([1] * k + [d for d in range(2, tree.depth + 1) for _ in range(k * k)],
+                                     dtype=torch.int64, device=device)
 
     def draft(self, step: CommonAttentionMetadata, rows: list[int], budgets: Sequence[int],
               root_positions: Sequence[int], root_out: torch.Tensor, root_carry: torch.Tensor) -> Drafts:
         """Arguments as `EagleTree.draft`'s. Each request's N nodes as its drafts [n, N] int64, its real node count
         and its tree (`Drafts.tree_parents` [n, N + 1])."""
-        k, n, device = self.tree.topk, len(rows), root_out.device
+        budget = to_device(list(budgets), torch.int64, root_out.device)
+        tokens, parents = self.grow(root_out, root_carry, partial(run_block, self.forward, self.layers, step, rows,
+                                                                  root_positions), budget)
+        return Drafts(rows, tokens, self.real_counts(budgets), tree_parents=parents)
+
+    def real_counts(self, budgets: Sequence[int]) -> list[int]:
+        return [self.tree.real_nodes(b) for b in budgets]
+
+    def block_sizes(self) -> list[int]:
+        """The node counts of the blocks the levels run: topk per level above the one drafted."""
+        return [(d - 1) * self.tree.topk for d in range(2, self.tree.depth + 1)]
+
+    def grow(self, root_out: torch.Tensor, root_carry: torch.Tensor, block: Block,
+             budget: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's tree from the roots' head outputs root_out and root_carry [n, H], within its chain budget
+        [n] int64: its nodes' tokens [n, N] and parents [n, N + 1] (column 0: -1). `block` runs the head over the
+        frontiers of the depths above."""
+        k, n, device = self.tree.topk, root_out.shape[0], root_out.device
         scores, tokens = self._top(root_out[:, None])  # [n, 1, k]: the root's children, the first frontier
         scores, tokens = scores.view(n, k), tokens.view(n, k)
         cand_scores, cand_tokens = [scores], [tokens]
@@ -155,8 +183,7 @@ class DynamicEagleTree:
             features = carry[torch.arange(n, device=device)[:, None], block_parents + 1]  # [n, M, H]
             # the block as a tree under the root (node = block index + 1); the root, bit 0, is in the cached context
             depths, bits = tree_tables(torch.nn.functional.pad(block_parents + 1, (1, 0), value=-1))
-            out, block_carry = run_block(self.forward, self.layers, step, rows, root_positions, block_tokens,
-                                         features, depths[:, 1:], bits[:, 1:] >> 1)
+            out, block_carry = block(block_tokens, features, depths[:, 1:], bits[:, 1:] >> 1)
             carry = torch.cat([root_carry[:, None], block_carry], dim=1)
             probs, child_tokens = self._top(out[:, level:])  # [n, k, k] each: row i, the children of frontier i
             child_scores = (scores[:, :, None] * probs).view(n, k * k)
@@ -168,8 +195,7 @@ class DynamicEagleTree:
             scores, tokens, frontier = child_scores.gather(1, best), cand_tokens[-1].gather(1, best), base + best
             block_tokens = torch.cat([block_tokens, tokens], dim=1)
             block_parents = torch.cat([block_parents, level + best // k], dim=1)
-        return self._select(torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1),
-                            rows, budgets)
+        return self._select(torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1), budget)
 
     def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, m, H] -> [n, m, k] probs, tokens
         """The head's top-k tokens and their draft probabilities (softmax over the target vocabulary) at each node."""
@@ -178,22 +204,20 @@ class DynamicEagleTree:
         top = logits.softmax(dim=-1).topk(self.tree.topk, dim=-1)
         return top.values.view(n, m, -1), top.indices.view(n, m, -1)
 
-    def _select(self, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, rows: list[int],
-                budgets: Sequence[int]) -> Drafts:
-        """The N best candidates (scores, tokens, parents [n, C], laid out depth-major) as breadth-first trees."""
+    def _select(self, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                budget: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The N best candidates (scores, tokens, parents [n, C], laid out depth-major) as breadth-first trees:
+        (tokens [n, N], parents [n, N + 1])."""
         n, num_candidates = scores.shape
-        k, device = self.tree.topk, scores.device
-        depth_of, budget = to_device([1] * k + [d for d in range(2, self.tree.depth + 1) for _ in range(k * k)]
-                                     + list(budgets), torch.int64, device).split([num_candidates, n])  # [C], [n]
-        within = depth_of <= budget[:, None]  # [n, C]
+        device = scores.device
+        within = self.depth_of <= budget[:, None]  # [n, C]
         ranked = torch.where(within, scores, -1.0).sort(dim=1, descending=True, stable=True).indices
         chosen = ranked[:, : self.tree.num_drafts].sort(dim=1).values  # [n, N]: parents before children
         node_of = torch.zeros(n, num_candidates + 1, dtype=torch.int64, device=device)  # candidate + 1 -> node
         node_of.scatter_(1, chosen + 1, torch.arange(1, self.tree.num_drafts + 1, device=device).expand(n, -1))
         node_parents = node_of.gather(1, parents.gather(1, chosen) + 1)  # the root (-1) and unkept ones: 0
         tree_parents = torch.cat([torch.full((n, 1), -1, dtype=torch.int64, device=device), node_parents], dim=1)
-        return Drafts(rows, tokens.gather(1, chosen), [self.tree.real_nodes(b) for b in budgets],
-                      tree_parents=tree_parents)
+        return tokens.gather(1, chosen), tree_parents
 
 
 def run_block(forward: HeadForward, layers: Sequence[CacheLayer], step: CommonAttentionMetadata, rows: list[int],

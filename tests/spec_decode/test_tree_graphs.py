@@ -1,9 +1,10 @@
-"""A static token tree's levels from graphs (spec_decode/tree_graphs.py) against the eager levels.
+"""A token tree's levels from graphs (spec_decode/tree_graphs.py), static and dynamic, against the eager levels.
 
 On CPU the graph is stood in for by a re-run over the same persistent buffers (`eager_capture`), with the Triton
-attention kernels under the interpreter: every step's drafts must equal the eager tree's (the levels' positions,
-KV slots, ancestor masks and parent features come from the roots inside the graph), over padded and shrinking
-batches, and greedy outputs plain decoding's. The GPU test captures real graphs.
+attention kernels under the interpreter: every step's drafts (and a dynamic tree's parents) must equal the eager
+tree's (the levels' positions, KV slots, ancestor masks and parent features come from the roots inside the graph,
+a dynamic tree's real nodes from the staged chain budgets), over padded and shrinking batches, and greedy outputs
+plain decoding's. The GPU test captures real graphs.
 """
 
 from __future__ import annotations
@@ -23,9 +24,26 @@ KNOBS = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_s
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 16, 24, 32)]
 
 
-def _graph_llm(device: str, capture) -> tuple[LLM, list[int]]:
+TREES = {"static": {"speculative_token_tree": BRANCHING},
+         "dynamic": {"num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 10}}
+
+
+def _parents(proposer) -> list:
+    """Every tree drafting call's parents (a dynamic tree's own; None for a static one), as host lists."""
+    calls, propose = [], proposer.propose
+
+    def spy(outcome):
+        drafts = propose(outcome)
+        calls.append(None if drafts.tree_parents is None else drafts.tree_parents.tolist())
+        return drafts
+
+    proposer.propose = spy
+    return calls
+
+
+def _graph_llm(device: str, capture, tree: dict) -> tuple[LLM, list[int]]:
     """An LLM whose tree levels replay graphs of sizes 1, 2 and 4; and the drafting requests of each replay."""
-    llm = LLM("tiny-llama", device=device, **KNOBS, speculative_config={**SHIPPED, "speculative_token_tree": BRANCHING})
+    llm = LLM("tiny-llama", device=device, **KNOBS, speculative_config={**SHIPPED, **tree})
     runner = llm.engine.runner
     runner.proposer.capture_cuda_graphs(sizes=[1, 2, 4], capture=capture, block_size=runner.block_size,
                                         max_blocks_per_req=runner.buffers.block_table.gpu.shape[1])
@@ -36,28 +54,33 @@ def _graph_llm(device: str, capture) -> tuple[LLM, list[int]]:
     return llm, replays
 
 
-def _check(device: str, capture) -> None:
+def _check(device: str, capture, tree: dict) -> None:
     prompts = TEXTS[:4]
     plain = [o.outputs[0].token_ids for o in LLM("tiny-llama", device=device, **KNOBS).generate(
         prompts, PARAMS, use_tqdm=False)]
-    eager = LLM("tiny-llama", device=device, **KNOBS, speculative_config={**SHIPPED,
-                                                                         "speculative_token_tree": BRANCHING})
+    eager = LLM("tiny-llama", device=device, **KNOBS, speculative_config={**SHIPPED, **tree})
+    want_parents = _parents(eager.engine.runner.proposer)
     want_drafts, _ = record_drafts(eager.engine.runner.proposer)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, PARAMS, use_tqdm=False)]
-    llm, replays = _graph_llm(device, capture)
+    llm, replays = _graph_llm(device, capture, tree)
+    parents = _parents(llm.engine.runner.proposer)
     drafts, _ = record_drafts(llm.engine.runner.proposer)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     assert got == want == plain
-    assert drafts == want_drafts and len(drafts) > 0
+    assert drafts == want_drafts and len(drafts) > 0 and parents == want_parents
+    static = "speculative_token_tree" in tree
+    assert all(p is None for p in parents) if static else sum(p is not None for p in parents) > 3
     assert 3 in replays and 1 in replays  # padded (3 -> 4) and single-request replays both ran
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
-def test_graph_levels_draft_what_the_eager_levels_draft():
-    _check("cpu", eager_capture)
+@pytest.mark.parametrize("tree", TREES)
+def test_graph_levels_draft_what_the_eager_levels_draft(tree):
+    _check("cpu", eager_capture, TREES[tree])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_graph_levels_draft_what_the_eager_levels_draft():
-    _check("cuda", cuda_graph_capture)
+@pytest.mark.parametrize("tree", TREES)
+def test_on_cuda_graph_levels_draft_what_the_eager_levels_draft(tree):
+    _check("cuda", cuda_graph_capture, TREES[tree])
