@@ -27,6 +27,10 @@ median over the repeats and their min–max where they differ. At each `--batch`
   (`--hf-dynamic-steps`, slow: few steps; `--skip-hf-dynamic` leaves it out) and
   `cache_implementation="static"` (which transformers compiles itself): (t(S new tokens) - t(1 new token)) /
   (S - 1), after a warm-up call (the compilation).
+- gpt-fast (`--peer-gptfast PATH`, batch 1 of the 1B shape only): the peer probe of ../shared/peers (gpt-fast's own
+  model.py and its recipe, torch.compile mode="reduce-overhead"), run as a subprocess of this command in each
+  repeat, its median ms per step read from its JSON line. The peer's code is measured, never committed: copy
+  ../shared/peers to an ignored folder (the paper entry reads .peers/peer_gptfast.py; missing, the row says so).
 ms/step is per engine step (all N rows); tok/s = N / step time; GB/s = (weight + KV bytes) / step time;
 "× floor" = ms / the floor at that batch.
 Each model is freed before the next is built (an 8B model is 16 GB in bf16).
@@ -40,11 +44,17 @@ else e.g. bench_decode_8b_b1-64 (`--name` sets it).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import types
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -306,6 +316,26 @@ def hf_rows(args, prompts: list[list[int]], device: torch.device, dtype: torch.d
     return rows
 
 
+PEER = "gpt-fast (peer: its model.py and recipe)"
+
+
+def peer_row(args, batch: int) -> dict[str, Any]:
+    """gpt-fast's batch-1 ms per step from its probe, run here as a subprocess (its compile and graphs stay there)."""
+    row = {"batch": batch, "variant": PEER}
+    if batch != 1 or args.tiny or args.shape != DEFAULT_SHAPE:
+        return row | {"error": f"skipped: the probe runs batch 1 of the {DEFAULT_SHAPE} shape"}
+    if not Path(args.peer_gptfast).is_file():
+        return row | {"error": f"no probe at {args.peer_gptfast}: copy ../shared/peers there"}
+    free_cuda()
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run([sys.executable, args.peer_gptfast], capture_output=True, text=True,
+                              env={**os.environ, "OUT": out}, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        return row | {"error": f"probe failed (rc {proc.returncode}): {(proc.stderr or proc.stdout)[-160:]!r}"}
+    return row | {"ms": float(json.loads(lines[-1])["gptfast_bs1_ms_per_step"])}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -329,6 +359,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--variant", action="append", choices=sorted(VARIANTS),
                    help="only these research_lm rows (repeat the flag); default: all")
+    p.add_argument("--peer-gptfast", help="gpt-fast's probe script (../shared/peers/peer_gptfast.py, copied): a row")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=32)
     add_repeat_args(p)
@@ -398,6 +429,8 @@ def measure(args) -> dict[str, Any]:
         rows += research_lm_rows(path, args, prompts, device)
         if not args.skip_hf:
             rows += hf_rows(args, prompts, device, dtype)
+        if args.peer_gptfast:
+            rows.append(peer_row(args, batch))
         if device.type == "cuda":  # every model was freed: a leak here would add up over batches and repeats
             print(f"batch {batch} done; CUDA memory still allocated {torch.cuda.memory_allocated(device) / 1e9:.2f} GB",
                   flush=True)  # fmt: skip

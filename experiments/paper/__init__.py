@@ -131,9 +131,10 @@ def command(name: str) -> str:
 TABLES: dict[str, Table] = {
     "bench_decode": Table(
         what="batch-1 decode ms/step of a Llama-3.2-1B shape: research_lm eager / CUDA graphs / compiled vs "
-             "transformers and the weight-streaming floor, with the per-stage profile",
-        device="cuda", measured_on="NVIDIA H200", minutes="~2 min", bench="bench_decode",
-        args=("--profile",),
+             "gpt-fast (the peer probe, same command), transformers and the weight-streaming floor, with the "
+             "per-stage profile",
+        device="cuda", measured_on="NVIDIA H200", minutes="~5 min (gpt-fast's compile in each repeat)",
+        bench="bench_decode", args=("--profile", "--peer-gptfast", ".peers/peer_gptfast.py"),
         smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--steps", "8",
                "--warmup", "2", "--hf-dynamic-steps", "4", "--skip-hf-static", "--profile-steps", "4"),
     ),

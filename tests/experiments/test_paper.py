@@ -272,3 +272,21 @@ def test_bench_invariant_gemm_compares_the_kernels_and_checks_rows_on_a_cpu(tmp_
     assert {r["layer"] for r in rows} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
     assert all(r["cublas_us"] > 0 and r["invariant_us"] > 0 and not r["invariant_row_changes"] for r in rows)
     assert "| down_proj | 64 x 128 | 5 |" in (tmp_path / "bench_invariant_gemm_tiny.md").read_text()
+
+
+def test_bench_decode_reads_the_peer_probe_in_the_same_command(tmp_path):
+    """--peer-gptfast: the probe runs as a subprocess and its JSON line becomes the gpt-fast row; elsewhere than
+    batch 1 of the 1B shape, with no probe, or with a failing one, the row says why instead."""
+    bench = paper.import_bench("bench_decode")
+    probe = tmp_path / "peer.py"
+    probe.write_text('import json, os\nprint("compiling...")\nprint(json.dumps({"gptfast_bs1_ms_per_step": 1.25}))\n'
+                     'open(os.path.join(os.environ["OUT"], "gptfast.json"), "w").write("{}")\n')
+    args = bench.parser().parse_args(["--peer-gptfast", str(probe)])
+    assert bench.peer_row(args, 1) == {"batch": 1, "variant": bench.PEER, "ms": 1.25}
+    assert "skipped" in bench.peer_row(args, 64)["error"]
+    tiny, missing = (bench.parser().parse_args(a) for a in (["--tiny", "--peer-gptfast", str(probe)],
+                                                            ["--peer-gptfast", str(tmp_path / "x.py")]))
+    assert "skipped" in bench.peer_row(tiny, 1)["error"] and "no probe" in bench.peer_row(missing, 1)["error"]
+    probe.write_text("raise SystemExit('no GPU')\n")
+    assert "probe failed (rc 1)" in bench.peer_row(args, 1)["error"]
+    assert paper.TABLES["bench_decode"].args[-2:] == ("--peer-gptfast", ".peers/peer_gptfast.py")
