@@ -85,7 +85,8 @@
 # batch-invariance tables, spec_ablation_batch_invariant_h200 and ab_issue28_ablation_eagle3_b8_h200; session 27 ran
 # `bi` (retuned tiles) and both batch-invariance tables, spec_replay_validation_h200, spec_transfer_8b_h200, bench_decode
 # beside gpt-fast, `bi_gap` with Medusa (as is / async off / graphs off) and the tree-graph A/B (PERFORMANCE.md,
-# twenty-sixth pass). Next: `tree_profile` (~1 min), spec_tree_h200 (--gpus 2), `BI_GAP_HEAD=medusa
+# twenty-sixth pass). Next: `tests` (the replay kernel, dynamic tree graphs), `tree_profile` (~1 min),
+# spec_replay_validation_h200, bench_decode with .peers/ carried (gpt-fast's row), spec_tree_h200 (--gpus 2), `BI_GAP_HEAD=medusa
 # BI_GAP_VARIANTS="runner.enable_prefix_caching=false runner.separate_prefills=false" ... bi_gap`, spec_suffix_h200,
 # spec_mtp_h200 (needs experiments/train_reference_mtp.sh first), then `tests` at the final commit.
 set -euo pipefail
