@@ -62,6 +62,9 @@ class BackendCapabilities:
     # requests of the step, its own request's query length (decode, verify, a prefill chunk) and how its context
     # was split into steps: a KV tile and split policy fixed by the head shape. The engine refuses the others.
     batch_invariant: bool = False
+    # The impl's forward takes `rope` (positions, inv_freq, attention_scaling) and rotates q and k itself as it writes
+    # the cache (one kernel for the rotary embedding and the KV write); the others get q and k rotated.
+    rope_in_kv_write: bool = False
 
     def missing(self, spec: AttentionSpec, device: torch.device, dtype: torch.dtype) -> str | None:
         """A sentence naming what this backend lacks for (spec, device, dtype), or None if it serves it."""

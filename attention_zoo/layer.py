@@ -43,6 +43,13 @@ class Attention(CacheLayer):
     def batch_invariant(self, enabled: bool) -> None:
         self.impl.batch_invariant = enabled
 
+    def takes_rope(self, rope: Any) -> bool:
+        """Whether `forward` may be given the rotary inputs instead of rotated q and k: the backend rotates them as
+        it writes the cache (`BackendCapabilities.rope_in_kv_write`), and rope is the kernels' kind (no cos/sin
+        table: `research_lm.models.layers.Rope` from the fused path; the torch path stays with the model, where
+        torch.compile fuses it)."""
+        return self.backend.capabilities.rope_in_kv_write and getattr(rope, "cos", True) is None
+
     @torch.compiler.disable  # see CacheLayer
     def forward(
         self,
@@ -50,5 +57,9 @@ class Attention(CacheLayer):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         attn_metadata: dict[str, Any],  # backend name -> that backend's metadata for this step
+        rope: Any = None,  # where `takes_rope`: positions, inv_freq, attention_scaling; q and k then unrotated
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        return self.impl.forward(q, k, v, self.kv_cache, attn_metadata[self.backend.name])
+        metadata = attn_metadata[self.backend.name]
+        if rope is None:
+            return self.impl.forward(q, k, v, self.kv_cache, metadata)
+        return self.impl.forward(q, k, v, self.kv_cache, metadata, rope=rope)

@@ -27,7 +27,13 @@ import triton
 from attention_zoo.base import AttentionBackend, AttentionImpl, AttentionSpec, BackendCapabilities
 from attention_zoo.metadata import CommonAttentionMetadata
 from attention_zoo.registry import register_backend
-from attention_zoo.triton_kernels import TileConfig, batch_invariant_tile_config, reshape_and_cache, unified_attention
+from attention_zoo.triton_kernels import (
+    TileConfig,
+    batch_invariant_tile_config,
+    reshape_and_cache,
+    rope_and_cache,
+    unified_attention,
+)
 from attention_zoo.triton_kernels.unified_attention import default_tile_config
 
 # Under TRITON_INTERPRET=1 the kernels run (slowly) on CPU tensors; that is how CPU tests use them.
@@ -101,9 +107,13 @@ class TritonAttentionMetadata:
 
 
 class TritonAttentionImpl(AttentionImpl):
-    def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata):
+    def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, rope=None):
         common = metadata.common
-        reshape_and_cache(k, v, kv_cache, common.slot_mapping)
+        if rope is None:
+            reshape_and_cache(k, v, kv_cache, common.slot_mapping)
+        else:  # q and k rotated here: k on its way into the cache (`rope_in_kv_write`)
+            q = rope_and_cache(q, k, v, kv_cache, common.slot_mapping, rope.positions, rope.inv_freq,
+                               rope.attention_scaling)
         out = torch.empty_like(q)
         plan = metadata.plan(self.spec, self.batch_invariant)
         return unified_attention(
@@ -135,6 +145,7 @@ class TritonAttentionBackend(AttentionBackend):
         cuda_graphs_multi_token=True,  # grid and tile depend only on num_tokens, num_reqs and max_query_len > 1
         token_trees=True,  # the kernel reads tree_bits on the device: a graph's persistent buffer serves each replay
         batch_invariant=True,  # the plan of `batch_invariant_tile_config`, no split-KV (module docstring)
+        rope_in_kv_write=True,  # `rope_and_cache`: the rotary embedding and the KV write in one kernel
     )
 
     @classmethod

@@ -112,8 +112,11 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(rope, q, k)
-        out = self.attn(q, k, v, attn_metadata)  # [num_tokens, num_heads, head_size]
+        if self.attn.takes_rope(rope):  # the backend rotates q and k, k as it writes the cache: one kernel
+            out = self.attn(q, k, v, attn_metadata, rope)  # [num_tokens, num_heads, head_size]
+        else:
+            q, k = apply_rope(rope, q, k)
+            out = self.attn(q, k, v, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 

@@ -3,8 +3,8 @@
 On CPU the graph is stood in for by a re-run over the same persistent buffers (`eager_capture`), with the Triton
 attention kernels under the interpreter: every step's drafts (and a dynamic tree's parents) must equal the eager
 tree's (the levels' positions, KV slots, ancestor masks and parent features come from the roots inside the graph,
-a dynamic tree's real nodes from the staged chain budgets), over padded and shrinking batches, and greedy outputs
-plain decoding's. The GPU test captures real graphs.
+a dynamic tree's real nodes from the staged chain budgets), over padded and shrinking batches, and so the outputs
+too. The GPU test captures real graphs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.spec_decode.test_eagle_tree import BRANCHING, SHIPPED, TEXTS
 KNOBS = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
              attention_backend="triton", enable_prefix_caching=False, cuda_graphs=False)
 # different lengths: the batch shrinks 4 -> 3 (padded to 4) -> 2 -> 1
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 16, 24, 32)]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 12, 16, 20)]
 
 
 TREES = {"static": {"speculative_token_tree": BRANCHING},
@@ -56,8 +56,6 @@ def _graph_llm(device: str, capture, tree: dict) -> tuple[LLM, list[int]]:
 
 def _check(device: str, capture, tree: dict) -> None:
     prompts = TEXTS[:4]
-    plain = [o.outputs[0].token_ids for o in LLM("tiny-llama", device=device, **KNOBS).generate(
-        prompts, PARAMS, use_tqdm=False)]
     eager = LLM("tiny-llama", device=device, **KNOBS, speculative_config={**SHIPPED, **tree})
     want_parents = _parents(eager.engine.runner.proposer)
     want_drafts, _ = record_drafts(eager.engine.runner.proposer)
@@ -66,7 +64,7 @@ def _check(device: str, capture, tree: dict) -> None:
     parents = _parents(llm.engine.runner.proposer)
     drafts, _ = record_drafts(llm.engine.runner.proposer)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
-    assert got == want == plain
+    assert got == want  # (greedy trees against plain greedy: tests/spec_decode/test_eagle_tree.py)
     assert drafts == want_drafts and len(drafts) > 0 and parents == want_parents
     static = "speculative_token_tree" in tree
     assert all(p is None for p in parents) if static else sum(p is not None for p in parents) > 3
