@@ -8,8 +8,8 @@ step, for each match length m (the request's last m tokens found in a tree, m < 
 frequent child below the match, a token kept while its empirical probability (the product of count(child) /
 count(parent) along the path) is >= `suffix_decoding_min_token_prob`, at most min(k, floor(m *
 `suffix_decoding_max_spec_factor`)) of them. Of all (tree, m), the path with the highest score (the sum of its
-probabilities: the expected number of accepted drafts) wins; ties go to the longer match, then to the request's own
-tree. Drafts are that one path (a chain), vLLM's behaviour.
+probabilities: the expected number of accepted drafts) wins; ties go to the request's own tree, then to the longer
+match. Drafts are that one path (a chain), vLLM's behaviour.
 
 With `suffix_decoding_tree: true` (ArcticInference's `use_tree_spec`) each (tree, m) drafts a speculation tree
 instead: best first below the match node, the most probable unexpanded node next (probability as above; ties: the

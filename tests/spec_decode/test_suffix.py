@@ -5,7 +5,7 @@ Invariants:
   child (ties: the smaller token), built token by token or at once; removing a sequence leaves the tree of the rest.
 - Drafts equal a brute-force reference: for every match length m of the request's last tokens in its own tree or the
   global one, the most-frequent-child path while its probability (count ratios) >= min_token_prob, at most
-  min(k, floor(m * max_spec_factor)) tokens; the highest sum of probabilities wins (ties: longer match, own tree).
+  min(k, floor(m * max_spec_factor)) tokens; the highest sum of probabilities wins (ties: own tree, longer match).
 - The global tree holds the last max_cached_requests finished outputs (FIFO); preempted requests add nothing.
 - Speculation trees (suffix_decoding_tree) equal a brute-force reference: the `limit` most probable strings below the
   match (ties: shallower, then smaller tokens) whose probability is >= min_token_prob, breadth-first; the best (tree,
