@@ -116,30 +116,16 @@ class AttentionBackend(ABC):
         return torch.zeros(cls.kv_cache_shape(num_blocks, block_size, spec), dtype=dtype, device=device)
 
     @classmethod
-    def copy_slots(cls, kv_cache: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the K and V entries of flat slots src -> dst (slot = block * block_size + offset, as slot_mapping).
+    def move_slots(cls, kv_cache: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K and V entries of flat slots src -> dst (slot = block * block_size + offset, as slot_mapping):
+        a token tree's accepted path to a chain's slots, for every layer of every verify step.
 
-        `src`, `dst`: [m] int64 on the cache's device; entries with dst < 0 are skipped (their src is not read).
-        All sources are gathered before any write, so overlapping src/dst sets are safe; valid dst must be distinct.
-        No host sync, so it can be captured in a CUDA graph. Default: the [2, num_blocks, block_size, num_kv_heads,
-        head_size] layout.
-        """
-        if src.numel() == 0:
-            return
+        `src`, `dst`: [m] int64 slots on the cache's device. All sources are gathered before any write, so
+        overlapping sets are safe; a slot written twice must get the same value (a row copied onto itself: the
+        caller's way to skip an entry without a host sync). One gather and one scatter, capturable in a CUDA graph.
+        Default: the [2, num_blocks, block_size, num_kv_heads, head_size] layout."""
         flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, num_slots, num_kv_heads, head_size]
-        keep = dst >= 0
-        entries = flat.index_select(1, torch.where(keep, src, 0))  # [2, m, num_kv_heads, head_size], a copy
-        # Skipped entries repeat one write the copy makes anyway (same slot, same value), so nothing else changes;
-        # with no valid entry at all they rewrite slot 0 with its own value.
-        anchor = keep.int().argmax().view(1)  # the first kept entry, or entry 0
-        anchor_kept = keep.index_select(0, anchor)
-        anchor_slot = torch.where(anchor_kept, dst.index_select(0, anchor), 0)
-        anchor_value = torch.where(
-            anchor_kept[:, None, None], entries.index_select(1, anchor), flat.index_select(1, anchor_slot)
-        )  # [2, 1, num_kv_heads, head_size]
-        slots = torch.where(keep, dst, anchor_slot)
-        values = torch.where(keep[:, None, None], entries, anchor_value)
-        flat.index_copy_(1, slots, values)
+        flat.index_copy_(1, dst, flat.index_select(1, src))
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> Any:

@@ -295,6 +295,7 @@ class TreeSteps:
         if logits is not None:
             _, lsrc, ldst = self.tree.moves(path, logits_first)
             logits.index_copy_(0, ldst, logits[lsrc])
-        src_slots, dst_slots = slot_mapping[src], torch.where(moves, slot_mapping[dst], -1)
+        src_slots = slot_mapping[src]  # (every row on a path, or the root: real tokens, with slots)
+        dst_slots = torch.where(moves, slot_mapping[dst], src_slots)  # off the path: the root onto itself
         for layer in self.target_layers:
-            layer.backend.copy_slots(layer.kv_cache, src_slots, dst_slots)
+            layer.backend.move_slots(layer.kv_cache, src_slots, dst_slots)

@@ -154,11 +154,16 @@ def _greedy(
     real: torch.Tensor,  # [n, N + 1] bool
     max_depth: int,
 ) -> TreeOutputs:
-    accepted = real.clone()
-    for j in range(1, node_tokens.shape[1]):
-        parent = parents[:, j : j + 1]
-        matches = node_tokens[:, j : j + 1] == target.gather(1, parent)
-        accepted[:, j] &= (accepted.gather(1, parent) & matches).squeeze(1)
+    # A node is accepted iff it and every ancestor pass (the root: real; a draft: real and its parent's argmax).
+    # Vectorized over nodes, one step up the tree per depth: ~4 ops a depth instead of ~10 a node (a tree step's
+    # ops run eagerly, each a launch on the GPU).
+    up = parents.clamp(min=0)
+    accepted = real & (node_tokens == target.gather(1, up))
+    accepted[:, 0] = real[:, 0]
+    ok = accepted.clone()
+    for _ in range(max_depth):  # past the root the walk stays there
+        accepted &= ok.gather(1, up)
+        up = parents.gather(1, up).clamp_(min=0)
     last = torch.where(accepted, depths, -1).argmax(1)  # the deepest; argmax returns the first (lowest) index
     return _path_outputs(node_tokens, parents, depths, last, target.gather(1, last[:, None]).squeeze(1), max_depth)
 

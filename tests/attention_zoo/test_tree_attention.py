@@ -1,4 +1,4 @@
-"""Token-tree attention (`CommonAttentionMetadata.tree_bits`) and `AttentionBackend.copy_slots`.
+"""Token-tree attention (`CommonAttentionMetadata.tree_bits`) and `AttentionBackend.move_slots`.
 
 A verify step's query tokens of a request are the nodes of its draft tree (node 0 = the newest real token,
 parent(j) < j): each attends to the whole cached context and, among the step's tokens, to its ancestors and
@@ -158,7 +158,7 @@ def test_chain_bits_equal_causal_bit_for_bit(backend):
     torch.testing.assert_close(tree_out[:n], causal_out[:n], atol=0, rtol=0)
 
 
-# ---------------------------------------------------------------- copy_slots
+# ---------------------------------------------------------------- move_slots
 
 
 def slot_cache(num_blocks: int = 4, block_size: int = 4) -> torch.Tensor:
@@ -177,8 +177,7 @@ def expected_copy(cache: torch.Tensor, src: list[int], dst: list[int]) -> torch.
     before = cache.flatten(1, 2).clone()
     after = before.clone()
     for s, d in zip(src, dst):
-        if d >= 0:
-            after[:, d] = before[:, s]
+        after[:, d] = before[:, s]
     return after.view_as(cache)
 
 
@@ -186,18 +185,17 @@ def expected_copy(cache: torch.Tensor, src: list[int], dst: list[int]) -> torch.
     ("src", "dst"),
     [
         ([9, 14, 3], [4, 5, 6]),  # plain moves across blocks
-        ([9, 10, 11, 12], [8, 9, -1, 10]),  # overlapping, shifted down, one skipped
+        ([9, 10, 11, 12], [8, 9, 11, 10]),  # overlapping, shifted down, one copied onto itself
         ([5, 6], [6, 5]),  # a swap
-        ([-1, 7, 2], [-1, -1, 3]),  # skipped entries first, with an invalid src
-        ([1, 2], [-1, -1]),  # nothing kept: the cache is unchanged
+        ([7, 7, 7, 2], [7, 7, 7, 3]),  # the compaction's skipped entries: the root onto itself, several times
         ([], []),
     ],
 )
 @pytest.mark.parametrize("backend", ["torch_ref", "triton"])
-def test_copy_slots(backend, src, dst):
+def test_move_slots(backend, src, dst):
     cache = slot_cache()
     want = expected_copy(cache, src, dst)
-    get_backend(backend).copy_slots(cache, slot_tensor(src), slot_tensor(dst))
+    get_backend(backend).move_slots(cache, slot_tensor(src), slot_tensor(dst))
     torch.testing.assert_close(cache, want, atol=0, rtol=0)
 
 
