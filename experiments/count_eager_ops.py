@@ -12,7 +12,7 @@ counts them on CPU as the GPU would launch them:
 - the target's and the drafter's graphs captured with `eager_capture` (a replay re-runs the captured function;
   nothing in it is counted).
 Each launch is charged to the innermost research_lm / spec_decode function on the stack. Session 27: the 16-node
-tree 470 -> 265 launches a step after vectorizing its verification and compaction; the chain 72.
+tree 470 -> 247 launches a step after vectorizing its verification and compaction; the chain 72.
 """
 
 from __future__ import annotations

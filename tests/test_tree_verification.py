@@ -15,6 +15,7 @@ from research_lm.api.sampling_params import SamplingParams
 from research_lm.engine.request import Request
 from research_lm.worker.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from research_lm.worker.sampler import Sampler, SamplingBatch, compute_probs, random_sample
+from research_lm.worker.token_tree import tree_tables
 from research_lm.worker.tree_verification import (
     accept_tree_greedily,
     chain_parents,
@@ -74,9 +75,11 @@ TREE_SHAPES = {
 
 @pytest.mark.parametrize("shape", TREE_SHAPES)
 @pytest.mark.parametrize("per_request", [False, True])
-def test_greedy_equals_naive_walk(shape, per_request):
+@pytest.mark.parametrize("masks", [False, True], ids=["walk", "ancestor_masks"])
+def test_greedy_equals_naive_walk(shape, per_request, masks):
     """Random trees (one static tree, or one per request), a 3-token vocabulary so that siblings repeat tokens
-    and several subtrees match (ties), and random num_real."""
+    and several subtrees match (ties), and random num_real; by walking up the tree, or from the ancestor masks (what
+    the runner passes)."""
     gen = torch.Generator().manual_seed(len(shape) * 2 + per_request)
     n = 200
     parents = torch.tensor([TREE_SHAPES[shape](gen) for _ in range(n)] if per_request
@@ -86,8 +89,9 @@ def test_greedy_equals_naive_walk(shape, per_request):
     target = torch.randint(0, 3, (n, width), generator=gen)
     num_real = torch.randint(0, width + 2, (n,), generator=gen)
     max_depth = int(tree_depths(parents).max())
+    bits = tree_tables(parents)[1] if masks else None
     emitted, num_emitted, path = accept_tree_greedily(tokens, parents if per_request else parents[0], target,
-                                                      num_real)
+                                                      num_real, bits=bits)
     want = [naive_greedy(tokens[i].tolist(), parents[i].tolist(), target[i].tolist(), int(num_real[i]), max_depth)
             for i in range(n)]
     assert emitted.dtype == path.dtype == torch.int64 and num_emitted.dtype == torch.int32

@@ -217,9 +217,9 @@ class DeviceTree:
         depths, bits = tree_tables(parents)
         self.parents[rows], self.depths[rows], self.bits[rows] = parents, depths, bits
 
-    def of_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(parents, depths) [n, N + 1] of rows [n]: what verification reads."""
-        return self.parents[rows], self.depths[rows]
+    def of_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(parents, depths, ancestor masks) [n, N + 1] of rows [n]: what verification reads."""
+        return self.parents[rows], self.depths[rows], self.bits[rows]
 
     def write_step_inputs(self, positions: torch.Tensor, tree_bits: torch.Tensor, num_tokens: torch.Tensor,
                           common: CommonAttentionMetadata) -> None:

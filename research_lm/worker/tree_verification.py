@@ -82,14 +82,17 @@ def accept_tree_greedily(
     *,
     max_depth: int | None = None,  # >= the tree's depth, the outputs' D; None: read from parents (a host sync)
     depths: torch.Tensor | None = None,  # [N + 1] or [n, N + 1]: each node's depth, where known (a static tree)
+    bits: torch.Tensor | None = None,  # [N + 1] or [n, N + 1] int64: each node's ancestors and itself, bit j node j
 ) -> TreeOutputs:  # emitted [n, D + 1] int64, num_emitted [n] int32, path [n, D + 1] int64
     """Accept the nodes whose token is their parent's argmax (and whose parent is accepted); emit the path to the
-    deepest accepted node (ties: the lowest index), then that node's argmax."""
+    deepest accepted node (ties: the lowest index), then that node's argmax. With the ancestor masks `bits` (the
+    runner's `DeviceTree` keeps them) both take a fixed handful of ops; without, a few per depth."""
     n, width = node_tokens.shape
     parents = parents.expand(n, width)
     depths = tree_depths(parents) if depths is None else depths.expand(n, width)
     depth = _max_depth(depths, max_depth)
-    return _greedy(node_tokens, parents, depths, target, _real_nodes(num_real, n, width, node_tokens.device), depth)
+    real = _real_nodes(num_real, n, width, node_tokens.device)
+    return _greedy(node_tokens, parents, depths, target, real, depth, None if bits is None else bits.expand(n, width))
 
 
 def tree_rejection_sample(
@@ -153,19 +156,25 @@ def _greedy(
     target: torch.Tensor,  # [n, N + 1] int64 argmax of each row
     real: torch.Tensor,  # [n, N + 1] bool
     max_depth: int,
+    bits: torch.Tensor | None = None,  # [n, N + 1] int64 ancestor masks, or None
 ) -> TreeOutputs:
     # A node is accepted iff it and every ancestor pass (the root: real; a draft: real and its parent's argmax).
-    # Vectorized over nodes, one step up the tree per depth: ~4 ops a depth instead of ~10 a node (a tree step's
-    # ops run eagerly, each a launch on the GPU).
+    # Vectorized over nodes (a tree step's ops run eagerly, each a launch on the GPU): with the ancestor masks, a node
+    # is accepted iff its mask lies within the passing nodes' mask; without, one step up the tree per depth.
     up = parents.clamp(min=0)
     accepted = real & (node_tokens == target.gather(1, up))
     accepted[:, 0] = real[:, 0]
-    ok = accepted.clone()
-    for _ in range(max_depth):  # past the root the walk stays there
-        accepted &= ok.gather(1, up)
-        up = parents.gather(1, up).clamp_(min=0)
+    if bits is not None:
+        passing = (accepted.long() << torch.arange(accepted.shape[1], device=bits.device)).sum(1, keepdim=True)
+        accepted = (bits & passing) == bits  # (distinct powers of 2: their sum is their OR)
+    else:
+        ok = accepted.clone()
+        for _ in range(max_depth):  # past the root the walk stays there
+            accepted &= ok.gather(1, up)
+            up = parents.gather(1, up).clamp_(min=0)
     last = torch.where(accepted, depths, -1).argmax(1)  # the deepest; argmax returns the first (lowest) index
-    return _path_outputs(node_tokens, parents, depths, last, target.gather(1, last[:, None]).squeeze(1), max_depth)
+    return _path_outputs(node_tokens, parents, depths, last, target.gather(1, last[:, None]).squeeze(1), max_depth,
+                         bits)
 
 
 def _sample(
@@ -246,14 +255,23 @@ def _path_outputs(
     last: torch.Tensor,  # [n] int64: the path's last node
     final_token: torch.Tensor,  # [n] int64: the token emitted after it
     max_depth: int,
+    bits: torch.Tensor | None = None,  # [n, N + 1] int64 ancestor masks, or None
 ) -> TreeOutputs:
-    """The root-to-`last` path by max_depth + 1 steps up the tree, its drafts, then `final_token`."""
+    """The root-to-`last` path (each of its nodes at its depth's column: from `last`'s ancestor mask, or by
+    max_depth + 1 steps up the tree), its drafts, then `final_token`."""
     n = last.shape[0]
-    path = torch.full((n, max_depth + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=last.device)
-    node = last[:, None]
-    for _ in range(max_depth + 1):  # past the root the walk stays there, rewriting column 0
-        path.scatter_(1, depths.gather(1, node), node)
-        node = parents.gather(1, node).clamp_(min=0)
+    if bits is not None:
+        nodes = torch.arange(bits.shape[1], device=last.device)
+        on_path = ((bits.gather(1, last[:, None]) >> nodes) & 1).bool()  # [n, N + 1]
+        spare = max_depth + 1  # a column for the nodes off the path, dropped
+        path = torch.full((n, max_depth + 2), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=last.device)
+        path = path.scatter_(1, torch.where(on_path, depths, spare), nodes.expand(n, -1))[:, :spare]
+    else:
+        path = torch.full((n, max_depth + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=last.device)
+        node = last[:, None]
+        for _ in range(max_depth + 1):  # past the root the walk stays there, rewriting column 0
+            path.scatter_(1, depths.gather(1, node), node)
+            node = parents.gather(1, node).clamp_(min=0)
     last_depth = depths.gather(1, last[:, None])  # [n, 1]
     drafts = torch.nn.functional.pad(node_tokens.gather(1, path[:, 1:].clamp(min=0)), (0, 1))  # junk past the path
     cols = torch.arange(max_depth + 1, device=last.device)

@@ -29,11 +29,12 @@ from research_lm.worker.tree_verification import accept_tree_greedily, tree_reje
 
 @dataclass(frozen=True)
 class RequestTrees:
-    """The sampling requests' token trees: parents and depths [n, N + 1] int64 (`DeviceTree.of_rows`), and the depth
-    none exceeds (the outputs' width, less one)."""
+    """The sampling requests' token trees: parents, depths and ancestor masks [n, N + 1] int64
+    (`DeviceTree.of_rows`), and the depth none exceeds (the outputs' width, less one)."""
 
     parents: torch.Tensor
     depths: torch.Tensor
+    bits: torch.Tensor
     max_depth: int
 
 
@@ -120,8 +121,8 @@ def _verify_tree(tree: RequestTrees, drafts: torch.Tensor, logits: torch.Tensor,
     if batch is None or batch.plain_argmax:
         target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
         target = (target if target_row is None else target[target_row]).view(n, k + 1)
-        emitted, num_emitted, path = accept_tree_greedily(nodes, parents, target, num_real,
-                                                          max_depth=tree.max_depth, depths=depths)
+        emitted, num_emitted, path = accept_tree_greedily(nodes, parents, target, num_real, max_depth=tree.max_depth,
+                                                          depths=depths, bits=tree.bits[:, : k + 1])
     else:
         probs = compute_probs(logits, batch)
         probs = (probs if target_row is None else probs[target_row]).view(n, k + 1, -1)
