@@ -285,7 +285,7 @@ class EagleProposer(Proposer):
         self.max_model_len = max_model_len
         self.cache_layers = cache_layers_of(head)
         self.graphs: DraftGraphs | None = None  # set by capture_cuda_graphs
-        self.tree_graphs: TreeGraphs | None = None  # a static tree's levels, set by capture_cuda_graphs
+        self.tree_graphs: TreeGraphs | None = None  # a token tree's levels, set by capture_cuda_graphs
         self.token_tree = token_tree
         self.tree_drafter: EagleTree | DynamicEagleTree | None = None
         if isinstance(token_tree, TokenTree):

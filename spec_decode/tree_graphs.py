@@ -13,14 +13,13 @@ the roots, into persistent buffers that the level's metadata (built once at capt
                                  budgets (what a dynamic tree's real nodes fit in): one copy
     block_table [A, blocks]      each request's row of the target step's block table
     root_out, root_carry [A, H]  the head's output and next feature at the roots
-    tokens [A, N], parents [A, N + 1] int64   the drafts (node j in column j - 1) and, for a dynamic tree, their
-                                 parents, until the next replay
     per (B, M): positions, slot_mapping, tree_bits [B * M] int64, seq_lens [B] int32, query_start_loc [B + 1]
                                  (query_start_loc fixed at capture)
 
-Padding rows (n .. B - 1) compute at root 0 and write no KV (slot -1); their drafts are noise. A graph needs
-attention that takes multi-token queries in graphs and masks token trees (triton); elsewhere the tree drafts
-eagerly.
+A replay returns the drafts [B, N] int64 (node j in column j - 1) and, for a dynamic tree, their parents [B, N + 1]
+(the graph's outputs, until the next replay). Padding rows (n .. B - 1) compute at root 0 and write no KV (slot -1);
+their drafts are noise. A graph needs attention that takes multi-token queries in graphs and masks token trees
+(triton); elsewhere the tree drafts eagerly.
 """
 
 from __future__ import annotations
@@ -44,27 +43,24 @@ class TreeGraphs:
                  device: torch.device, capture: Capture | GraphPool):
         self.tree, self.block_size, self.max_seq_len = tree, block_size, max_seq_len
         self.sizes = sorted(s for s in set(sizes) if s >= 1)
-        a, num_nodes = self.sizes[-1], tree.tree.num_drafts
+        a = self.sizes[-1]
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.staging = torch.zeros(2 * a + 1, **i64)
         self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
         self.request_rows = torch.full((a,), -1, **i32)  # only state layers read it; drafters have none
         self.root_out = torch.zeros(a, hidden, dtype=dtype, device=device)
         self.root_carry = torch.zeros(a, hidden, dtype=dtype, device=device)
-        self.tokens = torch.zeros(a, num_nodes, **i64)
-        self.parents = torch.zeros(a, num_nodes + 1, **i64)
-        self.dynamic = isinstance(tree, DynamicEagleTree)
         self.rows = torch.arange(a, **i64)
         self.offsets = torch.arange(1, max(tree.block_sizes(), default=0) + 1, **i64)  # block node j's KV: root + j
         self._backends = {layer.backend.name: layer.backend for layer in layers}
-        self._replay: dict[int, Callable[[], None]] = {}
+        self._replay: dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._keep: dict[int, tuple[Any, ...]] = {}
         pool = GraphPool.of(capture)
         for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             self.staging.zero_()  # all padding: a warm-up run writes no KV
             self._replay[b] = pool(self._draft_fn(b))
 
-    def _draft_fn(self, b: int) -> Callable[[], None]:
+    def _draft_fn(self, b: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
         tree, bs = self.tree, self.block_size
         # views: a replay reads what the host staged
         roots, num_reqs, budget = self.staging[:b], self.staging[b], self.staging[b + 1 : 2 * b + 1]
@@ -87,12 +83,9 @@ class TreeGraphs:
             return out.view(b, m, -1), carry.view(b, m, -1)
 
         @torch.inference_mode()
-        def draft() -> None:
+        def draft() -> tuple[torch.Tensor, torch.Tensor | None]:  # a graph's outputs stay allocated for its replays
             torch.lt(self.rows[:b], num_reqs, out=real)
-            tokens, parents = tree.grow(self.root_out[:b], self.root_carry[:b], block, budget)
-            self.tokens[:b].copy_(tokens)
-            if parents is not None:
-                self.parents[:b].copy_(parents)
+            return tree.grow(self.root_out[:b], self.root_carry[:b], block, budget)
 
         return draft
 
@@ -134,6 +127,6 @@ class TreeGraphs:
             self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, index))
         self.root_out[:n].copy_(root_out)
         self.root_carry[:n].copy_(root_carry)
-        self._replay[b]()
-        # copies: the next replay overwrites the buffers
-        return self.tokens[:n].clone(), self.parents[:n].clone() if self.dynamic else None
+        tokens, parents = self._replay[b]()
+        # copies: the next replay overwrites the graph's outputs
+        return tokens[:n].clone(), None if parents is None else parents[:n].clone()

@@ -239,7 +239,6 @@ class AcceptanceReplay:
         u = rng.uniform_rows(self.seeds[safe], num_tokens.to(torch.int64), rng.REPLAY, k, self.device)  # [n, k]
         return (u < self.rates[:k]).long().cumprod(dim=1).sum(dim=1)
 
-
     def accept_greedily(
         self,
         num_tokens: torch.Tensor,  # [R] int: every table row's tokens before the step
