@@ -3,13 +3,15 @@
 # spec_ablation's code workload (8 prompts x 128 tokens, seed 0), recorded with record_acceptance=true (per-position
 # rates and every request's trace) into research_lm/assets/profiles/reference_<method>_k5.json, which
 # spec_transfer_8b_h200 and spec_replay_validation_h200 replay. Trains the reference first when it is missing.
-#   bash experiments/record_reference_profiles.sh [REF_DIR]   # default outputs/reference; ~3 min on an H200
+#   [METHODS="eagle3 ..."] bash experiments/record_reference_profiles.sh [REF_DIR]   # default outputs/reference, all
+#   four methods; ~3 min on an H200
 set -euo pipefail
 REF=${1:-outputs/reference}
 [ -d "$REF/target" ] || SIDE_BY_SIDE=1 bash experiments/train_reference.sh "$REF"
 for spec in "eagle3 spec.model=$REF/eagle3" "medusa spec.model=$REF/medusa" "draft_model spec.model=$REF/draft" ngram; do
   set -- $spec
   method=$1; shift
+  case " ${METHODS:-eagle3 medusa draft_model ngram} " in *" $method "*) ;; *) continue ;; esac
   python -m research_lm experiment=spec_ablation device=cuda attention=triton logger=jsonl model=hf \
     model.name="$REF/target" spec="$method" "$@" spec.num_speculative_tokens=5 workload.temperature=0.0 \
     workload.max_tokens=128 workload.num_requests=8 runner.max_num_seqs=1 runner.num_gpu_blocks=4096 seed=0 \
