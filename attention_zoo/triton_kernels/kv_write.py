@@ -141,15 +141,16 @@ def _rope_and_cache_kernel(
     if slot >= 0:
         hk = tl.arange(0, BLOCK_HK)[:, None]
         kv_heads = hk < NUM_KV_HEADS
-        src = k_ptr + tok * stride_k_tok + hk * stride_k_head
+        # (names of their own: Triton refuses a variable that the branch redefines with another shape)
+        k_src = k_ptr + tok * stride_k_tok + hk * stride_k_head
         cache = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot + hk * stride_c_head
-        x1 = tl.load(src + r, mask=kv_heads & rot, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + r, mask=kv_heads & rot, other=0.0).to(tl.float32)
+        k1 = tl.load(k_src + r, mask=kv_heads & rot, other=0.0).to(tl.float32)
+        k2 = tl.load(k_src + HALF + r, mask=kv_heads & rot, other=0.0).to(tl.float32)
         ctype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + cache + r, (x1 * cos - x2 * sin).to(dtype).to(ctype), mask=kv_heads & rot)
-        tl.store(k_cache_ptr + cache + HALF + r, (x2 * cos + x1 * sin).to(dtype).to(ctype), mask=kv_heads & rot)
-        tail = kv_heads & (d >= 2 * HALF) & (d < HEAD_SIZE)
-        tl.store(k_cache_ptr + cache + d, tl.load(src + d, mask=tail, other=0.0).to(ctype), mask=tail)
+        tl.store(k_cache_ptr + cache + r, (k1 * cos - k2 * sin).to(dtype).to(ctype), mask=kv_heads & rot)
+        tl.store(k_cache_ptr + cache + HALF + r, (k2 * cos + k1 * sin).to(dtype).to(ctype), mask=kv_heads & rot)
+        k_tail = kv_heads & (d >= 2 * HALF) & (d < HEAD_SIZE)
+        tl.store(k_cache_ptr + cache + d, tl.load(k_src + d, mask=k_tail, other=0.0).to(ctype), mask=k_tail)
         all_d = kv_heads & (d < HEAD_SIZE)
         v = tl.load(v_ptr + tok * stride_v_tok + hk * stride_v_head + d, mask=all_d, other=0.0)
         tl.store(v_cache_ptr + cache + d, v.to(v_cache_ptr.dtype.element_ty), mask=all_d)
