@@ -120,7 +120,7 @@ class EagleHead(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, attn_metadata)
-        out = hidden + residual
+        out = hidden if residual is None else hidden + residual  # None: the layers fused their residual adds
         return out, out
 
 

@@ -25,9 +25,11 @@ from torch import nn
 from research_lm.models.base import default_weight_loader, set_weight_loader
 from research_lm.ops import (
     apply_rotary,
+    on_kernel_device,
     rms_norm_ref,
     rope_cos_sin,
     silu_and_mul_ref,
+    skinny_linear_ref,
     use_batch_invariant,
     use_fused,
 )
@@ -248,6 +250,23 @@ class Linear(nn.Module):
             return batch_invariant_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
+    def skinny(
+        self,
+        x: torch.Tensor,  # [M, input_size], M <= ops.SKINNY_MAX_ROWS
+        norm: RMSNorm | None = None,  # rms-normalize x with it first
+        residual: torch.Tensor | None = None,  # [M, output_size]: added to the output
+        silu_mul: bool = False,  # a gate | up projection: return silu(gate) * up
+    ) -> torch.Tensor:  # [M, output_size (/ 2 with silu_mul)]
+        """This projection of a few rows with its neighbours in one kernel (`ops.skinny_linear`) on CUDA; the same
+        numbers from torch ops elsewhere. Whole weights only: the caller checks there is no tensor parallelism."""
+        kwargs = {"norm_weight": None if norm is None else norm.weight, "eps": 0.0 if norm is None else norm.eps,
+                  "silu_mul": silu_mul, "residual": residual}
+        if on_kernel_device(x):
+            from research_lm.ops.skinny_linear import skinny_linear
+
+            return skinny_linear(x, self.weight, self.bias, **kwargs)
+        return skinny_linear_ref(x, self.weight, self.bias, **kwargs)
+
 
 class Block(NamedTuple):
     """One checkpoint projection stacked in a column-parallel weight: its rows in the checkpoint, and the
@@ -456,8 +475,16 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp=tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
         self.fused_ops = True  # silu(gate) * up in one Triton kernel on CUDA
+        self.takes_prenorm = tp is None  # whole weights: forward(prenorm=...) may fuse the norm and the residual
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        prenorm: RMSNorm | None = None,  # x is the residual stream: return x + mlp(prenorm(x)), fused (skinny)
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        if prenorm is not None:
+            act = self.gate_up_proj.skinny(x, prenorm, silu_mul=True)
+            return self.down_proj.skinny(act, residual=x)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate (this rank's)]
         if use_fused(self, gate_up):
             from research_lm.ops.silu_and_mul import silu_and_mul

@@ -33,6 +33,7 @@ from research_lm.models.layers import (
     rope_parameters,
 )
 from research_lm.models.registry import register_model
+from research_lm.ops import SKINNY_MAX_ROWS, use_fused
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -97,16 +98,19 @@ class LlamaAttention(nn.Module):
             scale=self.head_size**-0.5, sliding_window=sliding_window,
         )
         self.attn = Attention(spec, build.attention_backend, build.device, build.dtype)
+        self.takes_prenorm = build.tp is None  # whole weights: forward(prenorm=...) may fuse the norm and residual
 
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         rope: Rope,
         attn_metadata: dict[str, Any],
+        prenorm: RMSNorm | None = None,  # hidden is the residual stream: return hidden + attn(prenorm(hidden))
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden) if prenorm is None else self.qkv_proj.skinny(hidden, prenorm)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -117,13 +121,17 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rope(rope, q, k)
             out = self.attn(q, k, v, attn_metadata)
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        out = out.reshape(num_tokens, q_size)
+        return self.o_proj(out) if prenorm is None else self.o_proj.skinny(out, residual=hidden)
 
 
 class PreNormDecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)), with the residual add fused into the norms.
 
-    The attention and the MLP are given, so Llama, MoE and DeepSeek layers share this one forward."""
+    The attention and the MLP are given, so Llama, MoE and DeepSeek layers share this one forward.
+    Over a few rows on CUDA (decode at small batch), attention and MLP that can (`takes_prenorm`) take the norm
+    and the residual add into their projections' kernels instead (`Linear.skinny`): the layer then returns the
+    whole stream and no residual, as the embedding enters layer 0."""
 
     def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -131,6 +139,13 @@ class PreNormDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
+        self.fused_ops = True
+        self.batch_invariant = False  # the skinny kernels differ from the many-row path: off when it must not
+
+    def skinny(self, hidden: torch.Tensor) -> bool:
+        return (hidden.shape[0] <= SKINNY_MAX_ROWS and use_fused(self, hidden) and not self.batch_invariant
+                and getattr(self.self_attn, "takes_prenorm", False) and getattr(self.mlp, "takes_prenorm", False)
+                and isinstance(self.input_layernorm, RMSNorm) and isinstance(self.post_attention_layernorm, RMSNorm))
 
     def forward(
         self,
@@ -138,7 +153,11 @@ class PreNormDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None at layer 0
         rope: Rope,
         attn_metadata: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, residual); the stream is their sum
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (this layer's output, residual); the stream is their sum
+        if self.skinny(hidden):
+            stream = hidden if residual is None else hidden + residual
+            stream = self.self_attn(stream, rope, attn_metadata, prenorm=self.input_layernorm)
+            return self.mlp(stream, prenorm=self.post_attention_layernorm), None
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -186,8 +205,8 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        out = self.norm(hidden, residual)  # (positional: hidden-state taps read the stream from the arguments)
+        return out if residual is None else out[0]
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")

@@ -35,17 +35,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from research_lm.ops.reference import apply_rotary, rms_norm_ref, rope_cos_sin, rotary_ref, silu_and_mul_ref
+from research_lm.ops.reference import (
+    apply_rotary,
+    rms_norm_ref,
+    rope_cos_sin,
+    rotary_ref,
+    silu_and_mul_ref,
+    skinny_linear_ref,
+)
+
+# Up to this many rows (tokens in a step), decoder layers that can fuse their norms and residual adds into their
+# projections do (`ops.skinny_linear`, `PreNormDecoderLayer.skinny`); more rows go to cuBLAS.
+SKINNY_MAX_ROWS = 4
 
 # Device types the kernels serve; CPU keeps the readable torch path (tests add "cpu" to run the kernels
 # there under TRITON_INTERPRET=1).
 FUSED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
+def on_kernel_device(x: torch.Tensor) -> bool:
+    """Whether x lives on a device the kernels serve."""
+    return x.device.type in FUSED_DEVICE_TYPES
+
+
 def use_fused(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether `module` runs its kernel on `x`: its `fused_ops` switch is on, x lives on a device the kernels
     serve, and torch.compile is not tracing (inductor fuses the torch path itself, across more ops)."""
-    return module.fused_ops and x.device.type in FUSED_DEVICE_TYPES and not torch.compiler.is_compiling()
+    return module.fused_ops and on_kernel_device(x) and not torch.compiler.is_compiling()
 
 
 def set_fused_ops(module: nn.Module, enabled: bool) -> None:
@@ -70,6 +86,7 @@ def set_batch_invariant(module: nn.Module, enabled: bool) -> None:
 
 
 __all__ = [
-    "FUSED_DEVICE_TYPES", "apply_rotary", "rms_norm_ref", "rope_cos_sin", "rotary_ref", "set_batch_invariant",
-    "set_fused_ops", "silu_and_mul_ref", "use_batch_invariant", "use_fused",
+    "FUSED_DEVICE_TYPES", "SKINNY_MAX_ROWS", "apply_rotary", "on_kernel_device", "rms_norm_ref", "rope_cos_sin",
+    "rotary_ref", "set_batch_invariant", "set_fused_ops", "silu_and_mul_ref", "skinny_linear_ref",
+    "use_batch_invariant", "use_fused",
 ]

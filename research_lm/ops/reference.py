@@ -64,6 +64,25 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * I] -> [..., 
     return F.silu(gate) * up
 
 
+def skinny_linear_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K], or [2N, K] (gate rows, then up rows) with silu_mul
+    bias: torch.Tensor | None = None,  # [N] or [2N]
+    *,
+    norm_weight: torch.Tensor | None = None,  # [K]: rms-normalize x with it first
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,  # [M, N]: added to the output
+) -> torch.Tensor:  # [M, N]
+    """The per-op path that `ops.skinny_linear` fuses: norm, linear, SwiGLU, residual add."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    if silu_mul:
+        y = silu_and_mul_ref(y)
+    return y if residual is None else y + residual
+
+
 def gather_step_inputs_ref(
     token_ids: torch.Tensor,  # int32 [R, W]: per request row, prompt + outputs + drafts
     num_computed: torch.Tensor,  # int32 [R]
