@@ -107,9 +107,10 @@ def measure(args) -> dict[str, Any]:
             if bandwidth:
                 row["floor_us"] = weight.numel() * weight.element_size() / bandwidth * 1e6
             if args.sweep:
-                timed = {}
+                timed, want = {}, skinny(weight)
                 for tile in candidates(m, n, k):
-                    try:
+                    try:  # a tile must give the default tile's numbers (up to summation order) to be timed
+                        torch.testing.assert_close(skinny(weight, tile), want, atol=2e-2, rtol=2e-2)
                         timed[tile] = graph_us(lambda w, tile=tile, f=skinny: f(w, tile), weights, device)
                     except Exception as e:  # a tile that does not fit (registers, shared memory): not a candidate
                         print(f"  skip {tile}: {type(e).__name__}", flush=True)

@@ -541,10 +541,10 @@ TABLES: dict[str, Table] = {
     ),
     "spec_transfer_8b_h100": Table(
         what="issue 30's goal on vLLM's own GPU kind: EAGLE-3 on a Llama-3.1-8B shape at vLLM #20780's published "
-             "acceptance (replayed), batch 1/8/32/64, k = 3/5 and K = 4 at batch 1, beside vLLM's 1.75x (H100)",
+             "acceptance (replayed), batch 1, k = 3/4/5, beside vLLM's 1.75x (H100)",
         device="cuda", measured_on="NVIDIA H100",
-        minutes="~5 min (4 engines x 3 repeats; + ~1 min writing the head's random checkpoint once)",
-        bench="bench_spec_transfer", args=("--methods", "eagle3"),
+        minutes="~2 min (4 engines x 3 repeats; + ~1 min writing the head's random checkpoint once)",
+        bench="bench_spec_transfer", args=("--methods", "eagle3", "--batches", "1"),
         smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batches", "1",
                "--tokens", "8", "--requests", "2", "--prompt-len", "16", "--warmup-tokens", "2",
                "--draft-vocab", "128", "--methods", "eagle3"),
