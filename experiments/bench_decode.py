@@ -501,8 +501,9 @@ def render(payload: dict[str, Any]) -> str:
     for r in rows:
         b = at(r)
         lead = f"| {b} " if multi else ""
-        if "ms" not in r:
-            lines.append(f"{lead}| {r['variant']} | — | — | — | — | — | {r.get('error', '')} |")
+        if "ms" not in r or r.get("num_repeats") == 0:  # (every repeat failed: its ms are not a measurement)
+            error = r.get("error") or f"every repeat failed: {(r.get('errors') or [''])[0]}"
+            lines.append(f"{lead}| {r['variant']} | — | — | — | — | — | {error} |")
             continue
         ms = r["ms"]
         note = ""
