@@ -55,34 +55,34 @@ def calls(fusion: str, x: torch.Tensor, norm: torch.Tensor, residual: torch.Tens
     return (lambda w, tile=None: skinny_linear(x, w, tile=tile, **kw)), per_op
 
 
-def candidates(m: int, n: int, k: int):
+def candidates(n: int, k: int):
     """Tiles to sweep: K steps from 256 (or the whole K) to 2048, 1-32 columns, up to 16K products per program."""
     from research_lm.ops.common import next_power_of_2
     from research_lm.ops.skinny_linear import SkinnyTile
 
-    block_m, k2 = next_power_of_2(m), next_power_of_2(k)
-    for block_k in sorted({min(bk, k2) for bk in (256, 512, 1024, 2048)}):
+    for block_k in sorted({min(bk, next_power_of_2(k)) for bk in (256, 512, 1024, 2048)}):
         for block_n in (1, 2, 4, 8, 16, 32):
-            if block_n <= next_power_of_2(n) and block_m * block_n * block_k <= 16384:
+            if block_n <= next_power_of_2(n) and block_n * block_k <= 16384:
                 for warps in (4, 8):
-                    yield SkinnyTile(block_m, block_n, block_k, warps)
+                    yield SkinnyTile(block_n, block_k, warps)
 
 
-def write_tuned(path: Path, device_name: str, tuned: dict[tuple[int, int, int], tuple[Any, float, float]]):
+def write_tuned(path: Path, device_name: str, tuned: dict[tuple[int, int], tuple[Any, dict, dict]]):
     """Merge this GPU's tiles into the JSON skinny_tiles reads (other GPUs' entries stay)."""
     data = json.loads(path.read_text()) if path.exists() else {"devices": {}}
-    data["about"] = ("Skinny linear tiles (block_m, block_n, block_k, num_warps) per GPU model and (BLOCK_M, N, K), "
-                     "written by `python experiments/bench_skinny_linear.py --sweep --tune`: the fastest tile, with "
-                     "its µs per call and the per-op path's beside it.")
+    data["about"] = ("Skinny linear tiles (block_n, block_k, num_warps) per GPU model and (N, K), written by "
+                     "`python experiments/bench_skinny_linear.py --sweep --tune`: the tile with the lowest worst "
+                     "ratio to the per-op path over the measured Ms (one tile for every M: a row's numbers must not "
+                     "depend on M), with its µs per call and the per-op path's per M.")
     shapes = data["devices"].setdefault(device_name, {})
-    for (block_m, n, k), (tile, us, per_op_us) in tuned.items():
-        shapes[f"{block_m}x{n}x{k}"] = {"tile": list(tile), "us": round(us, 2), "per_op_us": round(per_op_us, 2)}
+    for (n, k), (tile, us, per_op_us) in tuned.items():
+        shapes[f"{n}x{k}"] = {"tile": list(tile), "us": {str(m): round(t, 2) for m, t in us.items()},
+                              "per_op_us": {str(m): round(t, 2) for m, t in per_op_us.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def measure(args) -> dict[str, Any]:
-    from research_lm.ops.common import next_power_of_2
     from research_lm.ops.skinny_linear import skinny_tiles
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -97,28 +97,33 @@ def measure(args) -> dict[str, Any]:
         copies = weight_copies(rows_w, k, dtype) if device.type == "cuda" else 1
         weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         norm = (1 + torch.randn(k, generator=gen) / 4).to(device, dtype)
+        paths = {}  # m -> (skinny, per_op)
         for m in args.m:
             x = torch.randn(m, k, generator=gen).to(device, dtype)
             residual = torch.randn(m, k if "norm" in fusion else n, generator=gen).to(device, dtype)
-            skinny, per_op = calls(fusion, x, norm, residual)
+            paths[m] = skinny, per_op = calls(fusion, x, norm, residual)
             row = {"layer": layer, "fusion": fusion, "n": n, "k": k, "m": m,
                    "per_op_us": graph_us(per_op, weights, device), "skinny_us": graph_us(skinny, weights, device),
-                   "tile": "x".join(map(str, skinny_tiles(m, n, k, name)))}
+                   "tile": "x".join(map(str, skinny_tiles(n, k, name)))}
             if bandwidth:
                 row["floor_us"] = weight.numel() * weight.element_size() / bandwidth * 1e6
-            if args.sweep:
-                timed, want = {}, skinny(weight)
-                for tile in candidates(m, n, k):
-                    try:  # a tile must give the default tile's numbers (up to summation order) to be timed
-                        torch.testing.assert_close(skinny(weight, tile), want, atol=2e-2, rtol=2e-2)
-                        timed[tile] = graph_us(lambda w, tile=tile, f=skinny: f(w, tile), weights, device)
-                    except Exception as e:  # a tile that does not fit (registers, shared memory): not a candidate
-                        print(f"  skip {tile}: {type(e).__name__}", flush=True)
-                best = min(timed, key=timed.get)
-                row["best_tile"], row["best_us"] = "x".join(map(str, best)), timed[best]
-                tuned[(next_power_of_2(m), n, k)] = (best, timed[best], row["per_op_us"])
             row["ratio"] = row["skinny_us"] / row["per_op_us"]
             rows.append(row)
+        if args.sweep:  # one tile for all Ms: the lowest worst ratio to the per-op path
+            layer_rows = {r["m"]: r for r in rows[-len(args.m):]}
+            timed = {}
+            for tile in candidates(n, k):
+                try:  # a tile must give the default tile's numbers (up to summation order) to be timed
+                    for skinny, _ in paths.values():
+                        torch.testing.assert_close(skinny(weight, tile), skinny(weight), atol=2e-2, rtol=2e-2)
+                    timed[tile] = {m: graph_us(lambda w, t=tile, f=paths[m][0]: f(w, t), weights, device)
+                                   for m in args.m}
+                except Exception as e:  # a tile that does not fit (registers, shared memory): not a candidate
+                    print(f"  skip {tile}: {type(e).__name__}", flush=True)
+            best = min(timed, key=lambda t: max(timed[t][m] / layer_rows[m]["per_op_us"] for m in args.m))
+            for m, row in layer_rows.items():
+                row["best_tile"], row["best_us"] = "x".join(map(str, best)), timed[best][m]
+            tuned[(n, k)] = (best, timed[best], {m: r["per_op_us"] for m, r in layer_rows.items()})
     for m in args.m:  # a decoder layer: its four projections
         parts = [r for r in rows if r["m"] == m and r["layer"] != "layer"]
         total = {key: sum(r[key] for r in parts) for key in ("per_op_us", "skinny_us", "floor_us") if key in parts[0]}
@@ -137,7 +142,7 @@ def render(payload: dict[str, Any]) -> str:
              "kernel), µs per call (median of triton's do_bench over a CUDA graph of calls on distinct weights), and "
              f"the weight-streaming floor at the measured copy bandwidth ({payload['copy_gb_s']:.0f} GB/s). "
              + repeats_line(payload), "",
-             "| projection | fused | N x K | M | per-op µs | skinny µs | skinny / per-op | floor µs | tile (M, N, K, "
+             "| projection | fused | N x K | M | per-op µs | skinny µs | skinny / per-op | floor µs | tile (N, K, "
              "warps) | best of --sweep | its µs |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
     for r in payload["rows"]:

@@ -89,6 +89,12 @@
 # spec_replay_validation_h200, bench_decode with .peers/ carried (gpt-fast's row), spec_tree_h200 (--gpus 2), `BI_GAP_HEAD=medusa
 # BI_GAP_VARIANTS="runner.enable_prefix_caching=false runner.separate_prefills=false" ... bi_gap`, spec_suffix_h200,
 # spec_mtp_h200 (needs experiments/train_reference_mtp.sh first), then `tests` at the final commit.
+# Session 28: at 568f54c every GPU test through the triton backend failed: `rope_and_cache` did not compile on the
+# GPU (Triton 3.6 refuses a variable an `if` redefines with another shape; the interpreter never checks). Since then
+# `python -m tests.compile_for_gpu` compiles every kernel the CPU tests launch for sm_90 on the CPU: run it before a
+# device session. Its second call (one H100, 5044f35) ran `tests`, the reference training and
+# spec_replay_validation_h100, the skinny-linear sweep (research_lm/assets/tuned/skinny_linear.json), the decode_b1
+# A/B against 568f54c, bench_decode beside gpt-fast and spec_transfer_8b_h100 (PERFORMANCE.md, twenty-seventh pass).
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo

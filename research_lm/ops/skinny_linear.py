@@ -11,8 +11,8 @@ down + residual; the rotary embedding rides in the KV write).
 
 Numbers: every value torch would round (the normed row, the GEMM output, silu's output, the residual sum) is
 rounded to the activation dtype in the same place, so the only difference from the per-op path
-(`skinny_linear_ref`) is the fp32 summation order of the dot products. Each program reduces its rows' dot
-products over K in a fixed order that depends on neither M nor the other rows.
+(`skinny_linear_ref`) is the fp32 summation order of the dot products. Each program computes one row in an
+order that depends on neither M nor the other rows.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from research_lm.ops.common import next_power_of_2, round_to
 TUNED_TILES = ASSETS / "tuned" / "skinny_linear.json"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _skinny_linear_kernel(
     x_ptr,  # [M, K], row stride x_stride
     w_ptr,  # [N or 2N, K] contiguous: with SILU_MUL the gate rows, then the up rows
@@ -50,84 +50,83 @@ def _skinny_linear_kernel(
     SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # power of 2 >= M
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # One row per program, its neighbours in the grid the other rows of the same columns (they read the same
+    # weights while they are in L2): every row is computed by the same code whatever M is, so a token's output
+    # does not depend on how many rows the step has (as cuBLAS's small-M kernels, which async scheduling's
+    # padded steps and the tests rely on).
+    row = tl.program_id(0) % M
+    cols = (tl.program_id(0) // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
     dtype = x_ptr.dtype.element_ty
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < M, cols < N
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride
+    x_row = x_ptr + row.to(tl.int64) * x_stride
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
     if NORM:  # the row's rms, recomputed by every program: K values from L2 instead of a kernel of its own
-        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             squares += x * x
-        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     # products summed elementwise per lane, reduced over the tile's K once at the end
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU_MUL:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:  # rms_norm_ref: the normed row rounded to x's dtype, times the weight, rounded again
             g = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = round_to(round_to(x * rstd[:, None], dtype) * g[None, :], dtype)
+            x = round_to(round_to(x * rstd, dtype) * g, dtype)
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc += x[:, None, :] * w[None, :, :]
+        acc += x[None, :] * w
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += x[:, None, :] * w_up[None, :, :]
-    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+            acc_up += x[None, :] * w_up
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = round_to(y, dtype)  # the GEMM's output, as F.linear stores it
     if SILU_MUL:  # silu_and_mul_ref on the rounded gate and up
-        up = tl.sum(acc_up, axis=2)
+        up = tl.sum(acc_up, axis=1)
         if HAS_BIAS:
-            up += tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)
         up = round_to(up, dtype)
         y = round_to(round_to(y / (1.0 + tl.exp(-y)), dtype) * up, dtype)
-    out_offsets = rows[:, None] * N + cols[None, :]
-    out_mask = row_ok[:, None] & col_ok[None, :]
+    out = row.to(tl.int64) * N + cols
     if RESIDUAL:
-        y = round_to(y + tl.load(res_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32), dtype)
-    tl.store(out_ptr + out_offsets, y, mask=out_mask)
+        y = round_to(y + tl.load(res_ptr + out, mask=col_ok, other=0.0).to(tl.float32), dtype)
+    tl.store(out_ptr + out, y, mask=col_ok)
 
 
 class SkinnyTile(NamedTuple):
-    block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
 
 
 @functools.cache
-def tuned_tiles(device_name: str) -> dict[tuple[int, int, int], SkinnyTile]:
-    """(BLOCK_M, N, K) -> the tile measured fastest on this GPU model (16-bit weights); {} for a GPU never tuned."""
+def tuned_tiles(device_name: str) -> dict[tuple[int, int], SkinnyTile]:
+    """(N, K) -> the tile measured fastest on this GPU model (16-bit weights); {} for a GPU never tuned."""
     if not TUNED_TILES.exists():
         return {}
     shapes = json.loads(TUNED_TILES.read_text())["devices"].get(device_name, {})
     return {tuple(map(int, key.split("x"))): SkinnyTile(*entry["tile"]) for key, entry in shapes.items()}
 
 
-def skinny_tiles(m: int, n: int, k: int, device_name: str | None = None) -> SkinnyTile:
+def skinny_tiles(n: int, k: int, device_name: str | None = None) -> SkinnyTile:
     """The tuned tile for this GPU and shape, else: the whole of K (up to 2048) per load, as a warp-per-row GEMV
     reads it, and few enough output columns per program that ~8K products stay in registers and N / BLOCK_N
-    programs fill the GPU several times over."""
-    block_m = next_power_of_2(m)
+    programs fill the GPU several times over. Never a function of M: a row's numbers must not depend on it."""
     tuned = tuned_tiles(device_name) if device_name is not None else {}
-    if (block_m, n, k) in tuned:
-        return tuned[(block_m, n, k)]
+    if (n, k) in tuned:
+        return tuned[(n, k)]
     block_k = min(next_power_of_2(k), 2048)
-    block_n = max(8192 // (block_m * block_k), 1)
-    return SkinnyTile(block_m, min(block_n, next_power_of_2(n)), block_k)
+    return SkinnyTile(min(max(8192 // block_k, 1), next_power_of_2(n)), block_k)
 
 
 @functools.cache
@@ -157,11 +156,11 @@ def skinny_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile is None:
         tuned = x.device.type == "cuda" and x.dtype.itemsize == 2
-        tile = skinny_tiles(m, n, k, _device_name(x.device.index or 0) if tuned else None)
-    _skinny_linear_kernel[(triton.cdiv(n, tile.block_n),)](
+        tile = skinny_tiles(n, k, _device_name(x.device.index or 0) if tuned else None)
+    _skinny_linear_kernel[(triton.cdiv(n, tile.block_n) * m,)](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out, m, n, k, x.stride(0), eps,
         NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
     )
     return out

@@ -14,7 +14,7 @@ import research_lm.ops
 from research_lm import LLM, SamplingParams
 from research_lm.models import load_model
 from research_lm.ops import SKINNY_MAX_ROWS, set_fused_ops, skinny_linear_ref
-from research_lm.ops.skinny_linear import skinny_linear, skinny_tiles
+from research_lm.ops.skinny_linear import SkinnyTile, skinny_linear, skinny_tiles
 from tests.ops.cases import DTYPES, assert_matches, device, poison_outputs, randn
 from tests.utils import PagedBatch
 
@@ -43,12 +43,31 @@ def test_skinny_linear_matches_the_per_op_path(dtype, fusion, m, n, k):
         torch.testing.assert_close(after, before, atol=0, rtol=0)
 
 
-def test_tiles_cover_k_in_loads_of_at_most_2048_and_keep_8k_products_per_program():
-    assert skinny_tiles(1, 3072, 2048) == (1, 4, 2048, 4)
-    assert skinny_tiles(1, 2048, 8192) == (1, 4, 2048, 4)
-    assert skinny_tiles(4, 2048, 2048) == (4, 1, 2048, 4)
-    assert skinny_tiles(3, 5, 96) == (4, 8, 128, 4)  # ragged: N (5) and M round up
-    assert skinny_tiles(1, 3072, 2048, "a GPU never tuned") == (1, 4, 2048, 4)
+def test_tiles_cover_k_in_loads_of_at_most_2048_and_never_depend_on_m():
+    assert skinny_tiles(3072, 2048) == (4, 2048, 4)
+    assert skinny_tiles(2048, 8192) == (4, 2048, 4)
+    assert skinny_tiles(5, 96) == (8, 128, 4)  # ragged: N (5) rounds up
+    assert skinny_tiles(3072, 2048, "a GPU never tuned") == (4, 2048, 4)
+
+
+@pytest.mark.parametrize("tile", [SkinnyTile(1, 32, 2), SkinnyTile(16, 64, 4)])
+def test_any_tile_gives_the_same_numbers(tile):
+    gen = torch.Generator().manual_seed(7)
+    x, weight = randn((2, 200), torch.bfloat16, gen), randn((2 * 24, 200), torch.bfloat16, gen) / 14
+    kwargs = {"norm_weight": randn((200,), torch.bfloat16, gen), "eps": 1e-5, "silu_mul": True}
+    assert_matches(skinny_linear(x, weight, tile=tile, **kwargs), skinny_linear_ref(x, weight, **kwargs))
+
+
+def test_a_rows_output_does_not_depend_on_the_other_rows():
+    """The property async scheduling's padded steps and verify-vs-decode comparisons rely on: row 0 of a 4-row
+    call is bit for bit row 0 alone."""
+    gen = torch.Generator().manual_seed(3)
+    x, weight = randn((4, 300), torch.bfloat16, gen), randn((40, 300), torch.bfloat16, gen) / 17
+    residual = randn((4, 40), torch.bfloat16, gen)
+    four = skinny_linear(x, weight, residual=residual)
+    for m in range(4):
+        torch.testing.assert_close(skinny_linear(x[m:m + 1], weight, residual=residual[m:m + 1]), four[m:m + 1],
+                                   atol=0, rtol=0)
 
 
 def test_more_rows_than_the_skinny_limit_are_refused():
