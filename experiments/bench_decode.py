@@ -85,6 +85,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "research_lm eager": {"cuda_graphs": False},
     "research_lm CUDA graphs, synchronous steps": {"cuda_graphs": True, "async_scheduling": False},
     "research_lm CUDA graphs": {"cuda_graphs": True},
+    "research_lm CUDA graphs, skinny_rows=4": {"cuda_graphs": True, "skinny_rows": 4},  # issue 31's fused GEMVs
     "research_lm compiled + CUDA graphs": {"cuda_graphs": True, "compile": True},
     "research_lm CUDA graphs batch-invariant": {"cuda_graphs": True, "batch_invariant": True},  # issue 35's cost
 }

@@ -33,11 +33,16 @@ case ${1:-} in
     echo "$(date +%T) lane $2 done" >> $L/stages ;;
   poll)
     end=$(( $(date +%s) + ${2:-60} )); lanes=$(ls $L/lane? | wc -l)
+    pack() { tar czf "$OUT/res.tgz" -C $L res && tar czf "$OUT/logs.tgz" -C $L $(cd $L && ls *.log stages 2>/dev/null); }
     # (cat | grep -c: 0 while no line has finished yet and the stages file does not exist)
+    i=0
     while [ "$(date +%s)" -lt "$end" ] && [ "$(cat $L/stages 2>/dev/null | grep -c ' done$')" -lt "$lanes" ]; do
-      sleep 5
+      sleep 5; i=$((i + 1))
+      # packed every minute too: a call cut short (the session's device time ran out) still returns what $OUT
+      # holds, and session 28 lost a whole lane of results to a poll that packed only at its end
+      [ $((i % 12)) = 0 ] && pack
     done
     cat $L/stages; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
-    tar czf "$OUT/res.tgz" -C $L res && tar czf "$OUT/logs.tgz" -C $L $(cd $L && ls *.log stages) ;;
+    pack ;;
   *) echo "usage: gpu_lanes.sh start LANE_FILE... | poll SECONDS" >&2; exit 2 ;;
 esac

@@ -80,7 +80,7 @@
 # GPUs), the split-K invariant GEMM (`bi`). Tables registered and never run: spec_tree_h200, spec_suffix_h200,
 # spec_transfer_8b_h200, ab_issue28_ablation_eagle3_b8_h200, bench_decode_batch_invariant_h200,
 # bench_throughput_batch_invariant_h200 (and spec_mtp_h200 once its DeepSeek reference script lands).
-#   bash experiments/gpu_pending.sh bi | replay | tp_mamba | tree_host | tree_profile | bi_gap
+#   bash experiments/gpu_pending.sh bi | replay | tp_mamba | tree_host | tree_profile | bi_gap | skinny
 # Session 26 (2 x H200, experiments/gpu_lanes.sh's way) ran `tests`, `tp_mamba` and `bi` at 6fdec22, `replay`, the
 # batch-invariance tables, spec_ablation_batch_invariant_h200 and ab_issue28_ablation_eagle3_b8_h200; session 27 ran
 # `bi` (retuned tiles) and both batch-invariance tables, spec_replay_validation_h200, spec_transfer_8b_h200, bench_decode
@@ -89,12 +89,17 @@
 # spec_replay_validation_h200, bench_decode with .peers/ carried (gpt-fast's row), spec_tree_h200 (--gpus 2), `BI_GAP_HEAD=medusa
 # BI_GAP_VARIANTS="runner.enable_prefix_caching=false runner.separate_prefills=false" ... bi_gap`, spec_suffix_h200,
 # spec_mtp_h200 (needs experiments/train_reference_mtp.sh first), then `tests` at the final commit.
-# Session 28: at 568f54c every GPU test through the triton backend failed: `rope_and_cache` did not compile on the
-# GPU (Triton 3.6 refuses a variable an `if` redefines with another shape; the interpreter never checks). Since then
-# `python -m tests.compile_for_gpu` compiles every kernel the CPU tests launch for sm_90 on the CPU: run it before a
-# device session. Its second call (one H100, 5044f35) ran `tests`, the reference training and
-# spec_replay_validation_h100, the skinny-linear sweep (research_lm/assets/tuned/skinny_linear.json), the decode_b1
-# A/B against 568f54c, bench_decode beside gpt-fast and spec_transfer_8b_h100 (PERFORMANCE.md, twenty-seventh pass).
+# Session 28 (2 x H200, then one H100) lost most of its device time. At 568f54c every GPU test through the triton
+# backend failed: `rope_and_cache` did not compile on the GPU (Triton 3.6 refuses a variable an `if` redefines with
+# another shape; the interpreter never checks), so the reference training (EAGLE-3 generates through the engine)
+# failed too. Fixed; `tests` at 5044f35 on the H100: 129 passed, 1 failed (test_async_matches_sync_on_cuda_with_graphs
+# [bfloat16]: the skinny kernels' rows depended on M; f78d670 makes them M-independent, and skinny_rows is off by
+# default since). The second call's other lane (training, spec_replay_validation_h100, the skinny sweep, the decode
+# A/B, bench_decode, spec_transfer_8b_h100) ran out of device time and returned nothing: the one-chip rate of 67 %
+# did not hold for that machine (read `lease.budget_left_s` after the first call), and poll packed its results only
+# at its end (now every minute too). Before a device session: `python -m tests.compile_for_gpu` (~15 min on the
+# 2-core CPU: compiles every kernel the CPU tests launch for sm_90). Next, in order: `tests`, `skinny`, the reference
+# training, spec_replay_validation (issue 30), bench_decode's table, then the rest of session 27's list above.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
@@ -197,6 +202,14 @@ PY
       seed=0,1,2 hydra.sweep.dir=multirun/replay
     python -m research_lm -m $common seed=0,1,2 hydra.sweep.dir=multirun/replay_real
     grep -hE '"(mean_acceptance_length|speedup|tpot_ratio)"' multirun/replay/*/results.json multirun/replay_real/*/results.json ;;
+  skinny)  # issue 31: the skinny kernels' tiles swept on this GPU (written where skinny_tiles reads them), their GPU
+           # tests, then bench_decode beside gpt-fast, with and without skinny_rows=4 (copy ../shared/peers to .peers/
+           # and carry it)
+    (cd experiments && python bench_skinny_linear.py --sweep --tune ../research_lm/assets/tuned/skinny_linear.json \
+      --out ../outputs/skinny)
+    python -m pytest -m gpu tests/ops/test_skinny_linear.py tests/engine/test_async_scheduling.py -p no:cacheprovider \
+      -rfE -q
+    python -m experiments.paper bench_decode ;;
   tp_mamba)  # issue 33: Mamba2 / Bamba tensor parallelism over NCCL on two GPUs
     python -m pytest -m gpu tests/models/test_tensor_parallel.py -k "mamba or bamba" -p no:cacheprovider -rfE -q ;;
   *) echo "unknown block $1" >&2; exit 2 ;;

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from research_lm.api.checks import InvalidType, describe_annotation, matches_annotation
+from research_lm.ops import SKINNY_MAX_ROWS
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -52,6 +53,10 @@ class EngineConfig:
     prefill_graph_sizes: list[int] | None = None
     # Triton kernels for RMSNorm(+residual), rotary and SiLU*mul on CUDA (research_lm.ops); off: the torch path.
     fused_ops: bool = True
+    # Steps of up to this many tokens run Llama-family layers' projections as skinny GEMV kernels with the RMSNorm,
+    # SwiGLU and residual add fused in (research_lm/ops/skinny_linear.py; CUDA, fused_ops on, whole weights, not
+    # batch-invariant). 0: off, the default until it is measured against cuBLAS on a GPU; at most 4.
+    skinny_rows: int = 0
     # On CUDA every kernel on the model path reduces each token's row in an order that depends neither on the
     # other rows of the step, nor on the query tokens per request, nor on how a context was split into steps:
     # greedy tokens and logprobs are then the same alone, in a batch, chunked, preempted or speculated
@@ -94,6 +99,8 @@ class EngineConfig:
         _check_types(self)
         self.batch_invariant = self.batch_invariant or os.environ.get(BATCH_INVARIANT_ENV, "0").strip() == "1"
         self._check_batch_invariant()
+        if not 0 <= self.skinny_rows <= SKINNY_MAX_ROWS:
+            raise ValueError(f"skinny_rows must be in [0, {SKINNY_MAX_ROWS}] (tokens per step), got {self.skinny_rows}")
         if self.speculative_config:  # a bad value is refused before the target's weights load
             from research_lm.worker.spec import check_speculative_config
 

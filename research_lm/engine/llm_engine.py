@@ -23,7 +23,7 @@ from research_lm.engine.spec_policy import build_policy
 from research_lm.engine.stop_strings import StopStrings
 from research_lm.eplb.controller import build_eplb_controller
 from research_lm.models.loader import load_config, load_model, load_tokenizer, resolve_model_path
-from research_lm.ops import set_batch_invariant, set_fused_ops
+from research_lm.ops import set_batch_invariant, set_fused_ops, set_skinny_rows
 from research_lm.worker.acceptance_replay import AcceptanceReplay, load_profile
 from research_lm.worker.pending_step import PendingStep
 from research_lm.worker.rng import mix_seed
@@ -84,8 +84,9 @@ class LLMEngine:
                 compute_logits=self.model.compute_logits, model_path=path)
             proposer = build_proposer(dict(config.speculative_config), target)
         models = (self.model, *(proposer.drafters() if proposer else []))
-        for module in models:  # fused_ops and batch_invariant reach the drafter too
+        for module in models:  # fused_ops, skinny_rows and batch_invariant reach the drafter too
             set_fused_ops(module, config.fused_ops)
+            set_skinny_rows(module, config.skinny_rows)
             set_batch_invariant(module, config.batch_invariant)
         if config.batch_invariant and device.type in ops.FUSED_DEVICE_TYPES:  # on CPU the switch changes nothing
             from research_lm.ops.batch_invariant import check_batch_invariant

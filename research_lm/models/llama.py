@@ -33,7 +33,7 @@ from research_lm.models.layers import (
     rope_parameters,
 )
 from research_lm.models.registry import register_model
-from research_lm.ops import SKINNY_MAX_ROWS, use_fused
+from research_lm.ops import use_fused
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -129,9 +129,9 @@ class PreNormDecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)), with the residual add fused into the norms.
 
     The attention and the MLP are given, so Llama, MoE and DeepSeek layers share this one forward.
-    Over a few rows on CUDA (decode at small batch), attention and MLP that can (`takes_prenorm`) take the norm
-    and the residual add into their projections' kernels instead (`Linear.skinny`): the layer then returns the
-    whole stream and no residual, as the embedding enters layer 0."""
+    In steps of up to `skinny_rows` tokens on CUDA, attention and MLP that can (`takes_prenorm`) take the norm and
+    the residual add into their projections' kernels instead (`Linear.skinny`): the layer then returns the whole
+    stream and no residual, as the embedding enters layer 0."""
 
     def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -140,10 +140,11 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
         self.fused_ops = True
+        self.skinny_rows = 0  # EngineConfig.skinny_rows
         self.batch_invariant = False  # the skinny kernels differ from the many-row path: off when it must not
 
     def skinny(self, hidden: torch.Tensor) -> bool:
-        return (hidden.shape[0] <= SKINNY_MAX_ROWS and use_fused(self, hidden) and not self.batch_invariant
+        return (hidden.shape[0] <= self.skinny_rows and use_fused(self, hidden) and not self.batch_invariant
                 and getattr(self.self_attn, "takes_prenorm", False) and getattr(self.mlp, "takes_prenorm", False)
                 and isinstance(self.input_layernorm, RMSNorm) and isinstance(self.post_attention_layernorm, RMSNorm))
 

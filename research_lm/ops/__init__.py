@@ -44,8 +44,8 @@ from research_lm.ops.reference import (
     skinny_linear_ref,
 )
 
-# Up to this many rows (tokens in a step), decoder layers that can fuse their norms and residual adds into their
-# projections do (`ops.skinny_linear`, `PreNormDecoderLayer.skinny`); more rows go to cuBLAS.
+# The most rows (tokens in a step) the skinny kernels take (`ops.skinny_linear`); `EngineConfig.skinny_rows` picks
+# how many a run gives them (`PreNormDecoderLayer.skinny`).
 SKINNY_MAX_ROWS = 4
 
 # Device types the kernels serve; CPU keeps the readable torch path (tests add "cpu" to run the kernels
@@ -71,6 +71,13 @@ def set_fused_ops(module: nn.Module, enabled: bool) -> None:
             m.fused_ops = enabled
 
 
+def set_skinny_rows(module: nn.Module, rows: int) -> None:
+    """Steps of up to `rows` tokens take the skinny kernels in every layer that has them (0: none)."""
+    for m in module.modules():
+        if hasattr(m, "skinny_rows"):
+            m.skinny_rows = rows
+
+
 def use_batch_invariant(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether `module` runs its batch-invariant kernel on `x`: its `batch_invariant` switch is on and x lives on a
     device the kernels serve (on CPU the switch changes nothing)."""
@@ -87,6 +94,6 @@ def set_batch_invariant(module: nn.Module, enabled: bool) -> None:
 
 __all__ = [
     "FUSED_DEVICE_TYPES", "SKINNY_MAX_ROWS", "apply_rotary", "on_kernel_device", "rms_norm_ref", "rope_cos_sin",
-    "rotary_ref", "set_batch_invariant", "set_fused_ops", "silu_and_mul_ref", "skinny_linear_ref",
+    "rotary_ref", "set_batch_invariant", "set_fused_ops", "set_skinny_rows", "silu_and_mul_ref", "skinny_linear_ref",
     "use_batch_invariant", "use_fused",
 ]

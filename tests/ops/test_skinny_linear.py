@@ -13,7 +13,7 @@ import torch
 import research_lm.ops
 from research_lm import LLM, SamplingParams
 from research_lm.models import load_model
-from research_lm.ops import SKINNY_MAX_ROWS, set_fused_ops, skinny_linear_ref
+from research_lm.ops import SKINNY_MAX_ROWS, set_fused_ops, set_skinny_rows, skinny_linear_ref
 from research_lm.ops.skinny_linear import SkinnyTile, skinny_linear, skinny_tiles
 from tests.ops.cases import DTYPES, assert_matches, device, poison_outputs, randn
 from tests.utils import PagedBatch
@@ -102,6 +102,7 @@ def test_decode_steps_of_a_few_rows_fuse_and_match_the_per_op_path(name, tiny_ch
     layer, and the logits of the per-op path (fused ops off) at every step."""
     model, hf_config = load_model(tiny_checkpoint(name), device=device(), dtype=torch.float32,
                                   attention_backend="torch_ref")
+    set_skinny_rows(model, SKINNY_MAX_ROWS)
     prompts, steps = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3]], [[7, 8], [2, 4], [1, 1]]
 
     def run() -> list[torch.Tensor]:
@@ -114,38 +115,49 @@ def test_decode_steps_of_a_few_rows_fuse_and_match_the_per_op_path(name, tiny_ch
     calls = _count_skinny(monkeypatch)
     fused = run()
     assert calls[0] == 4 * hf_config.num_hidden_layers * len(steps)
-    set_fused_ops(model, False)
+    set_skinny_rows(model, 0)
     ref = run()
-    assert calls[0] == 4 * hf_config.num_hidden_layers * len(steps)  # the switch reached the layers
+    assert calls[0] == 4 * hf_config.num_hidden_layers * len(steps)  # the knob reached the layers
+    set_skinny_rows(model, SKINNY_MAX_ROWS)
+    set_fused_ops(model, False)
+    assert [torch.equal(a, b) for a, b in zip(run(), ref, strict=True)]  # fused ops off: the per-op path
+    assert calls[0] == 4 * hf_config.num_hidden_layers * len(steps)
     for got, want in zip(fused, ref, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_greedy_tokens_with_skinny_layers_equal_the_per_op_path(kernels_on_cpu, monkeypatch):
-    """Through the engine, with EAGLE-3 drafting from hidden-state taps of skinny layers: the same tokens as with
-    fused ops off, and the skinny kernels ran."""
+    """Through the engine (LLM(skinny_rows=4)), with EAGLE-3 drafting from hidden-state taps of skinny layers: the
+    same tokens as without them, and the skinny kernels ran."""
     spec = {"method": "eagle3", "model": "tiny-llama-eagle3", "num_speculative_tokens": 2}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["def add(a, b):", "import os\n"]
     calls = _count_skinny(monkeypatch)
     outs = {}
-    for fused_ops in (True, False):
-        llm = LLM("tiny-llama", device="cpu", max_model_len=64, max_num_seqs=1, fused_ops=fused_ops,
+    for rows in (SKINNY_MAX_ROWS, 0):
+        llm = LLM("tiny-llama", device="cpu", max_model_len=64, max_num_seqs=1, skinny_rows=rows,
                   speculative_config=spec)
-        outs[fused_ops] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        if fused_ops:
-            assert calls[0] > 0
-    assert outs[True] == outs[False]
+        before = calls[0]
+        outs[rows] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert (calls[0] > before) == (rows > 0)
+    assert outs[SKINNY_MAX_ROWS] == outs[0]
+
+
+def test_skinny_rows_is_checked_and_defaults_to_off():
+    from research_lm.api.config import EngineConfig
+
+    assert EngineConfig().skinny_rows == 0
+    with pytest.raises(ValueError, match=r"skinny_rows must be in \[0, 4\]"):
+        EngineConfig(skinny_rows=SKINNY_MAX_ROWS + 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_skinny_layers_on_cuda_give_the_per_op_paths_greedy_tokens(dtype, monkeypatch):
+def test_skinny_layers_on_cuda_give_the_per_op_paths_greedy_tokens(dtype):
     """Issue 31's correctness rule on the GPU: continuous batching of 8 requests over at most 4 rows (every decode
-    step skinny, CUDA graphs on), token for token the per-op path's (the skinny limit at 0) in float32; in bfloat16
+    step skinny, CUDA graphs on), token for token the per-op path's (skinny_rows=0) in float32; in bfloat16
     the two differ only in fp32 summation order, so all but near-ties agree (assert_greedy_agrees_up_to_near_ties)."""
-    import research_lm.models.llama as llama
     from tests.utils import assert_greedy_agrees_up_to_near_ties
 
     prompts = ["def fibonacci(n):", "import numpy as np\n", "class Stack:", "for i in range(10):", "# sort a list",
@@ -153,8 +165,7 @@ def test_skinny_layers_on_cuda_give_the_per_op_paths_greedy_tokens(dtype, monkey
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
     outs = {}
     for limit in (SKINNY_MAX_ROWS, 0):
-        monkeypatch.setattr(llama, "SKINNY_MAX_ROWS", limit)
-        llm = LLM("tiny-llama", device="cuda", dtype=dtype, max_num_seqs=4, max_model_len=128)
+        llm = LLM("tiny-llama", device="cuda", dtype=dtype, max_num_seqs=4, max_model_len=128, skinny_rows=limit)
         outs[limit] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     if dtype == "float32":
