@@ -147,6 +147,16 @@ def write_results(name: str, table: str, payload: dict[str, Any], out: Path = RE
     (out / f"{name}.md").write_text(table + "\n")
 
 
+def write_tuned(path: Path, device_name: str, about: str, entries: dict[str, dict[str, Any]]) -> None:
+    """Merge one GPU model's tuned entries (shape key -> entry) into a tuned-tiles JSON that a kernel reads at run
+    time (research_lm/assets/tuned/); other GPUs' entries stay."""
+    data = json.loads(path.read_text()) if path.exists() else {"devices": {}}
+    data["about"] = about
+    data["devices"].setdefault(device_name, {}).update(entries)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
 def add_repeat_args(parser: argparse.ArgumentParser, default_repeats: int = 3) -> None:
     """--repeats, --out, --name: what every benchmark (and the paper runner) passes the same way."""
     parser.add_argument("--repeats", type=int, default=default_repeats,

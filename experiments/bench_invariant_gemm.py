@@ -17,12 +17,21 @@ bench_throughput_batch_invariant_h200.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import SHAPES, TINY, add_repeat_args, cell, env_line, gpu_ms, repeats_line, run_table
+from bench_common import (
+    SHAPES,
+    TINY,
+    add_repeat_args,
+    cell,
+    env_line,
+    gpu_ms,
+    repeats_line,
+    run_table,
+    write_tuned,
+)
 
 NAME = "bench_invariant_gemm"
 
@@ -92,22 +101,6 @@ def weight_copies(n: int, k: int, dtype: torch.dtype) -> int:
     return max(2, min(16, -(-100_000_000 // (n * k * dtype.itemsize))))
 
 
-def write_tuned(path: Path, device_name: str, tuned: dict[tuple[int, int], tuple[Any, dict[int, float], dict]]):
-    """Merge this GPU's tiles into TUNED_CONFIGS' JSON (other GPUs' entries stay), with the ratios they measured."""
-    from dataclasses import asdict
-
-    data = json.loads(path.read_text()) if path.exists() else {"devices": {}}
-    data["about"] = ("Batch-invariant GEMM tiles per GPU model and 16-bit (N, K), written by "
-                     "`python experiments/bench_invariant_gemm.py --sweep --tune`: the tile with the lowest worst "
-                     "ratio to cuBLAS over the measured Ms (µs per call beside it).")
-    shapes = data["devices"].setdefault(device_name, {})
-    for (n, k), (config, us, cublas) in tuned.items():
-        shapes[f"{n}x{k}"] = {"config": asdict(config), "us": {str(m): round(t, 2) for m, t in us.items()},
-                              "cublas_us": {str(m): round(t, 2) for m, t in cublas.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-
-
 def measure(args) -> dict[str, Any]:
     from research_lm.ops.batch_invariant import linear, linear_config
 
@@ -142,7 +135,15 @@ def measure(args) -> dict[str, Any]:
             row["cublas_row_changes"] = not torch.equal(first[row["m"]][0], first[m0][0])
             row["invariant_row_changes"] = not torch.equal(first[row["m"]][1], first[m0][1])
     if args.tune and tuned and device.type == "cuda" and dtype.itemsize == 2:
-        write_tuned(Path(args.tune), torch.cuda.get_device_name(device), tuned)
+        from dataclasses import asdict
+
+        write_tuned(Path(args.tune), torch.cuda.get_device_name(device),
+                    "Batch-invariant GEMM tiles per GPU model and 16-bit (N, K), written by "
+                    "`python experiments/bench_invariant_gemm.py --sweep --tune`: the tile with the lowest worst "
+                    "ratio to cuBLAS over the measured Ms (µs per call beside it).",
+                    {f"{n}x{k}": {"config": asdict(config), "us": {str(m): round(t, 2) for m, t in us.items()},
+                                  "cublas_us": {str(m): round(t, 2) for m, t in cublas.items()}}
+                     for (n, k), (config, us, cublas) in tuned.items()})
     return {"shape_name": "tiny" if args.tiny else args.shape, "dtype": args.dtype, "rows": rows}
 
 

@@ -15,13 +15,22 @@ issue 31; the end-to-end table is bench_decode.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_common import SHAPES, TINY, add_repeat_args, cell, copy_bandwidth, env_line, repeats_line, run_table
+from bench_common import (
+    SHAPES,
+    TINY,
+    add_repeat_args,
+    cell,
+    copy_bandwidth,
+    env_line,
+    repeats_line,
+    run_table,
+    write_tuned,
+)
 from bench_invariant_gemm import graph_us, weight_copies
 
 NAME = "bench_skinny_linear"
@@ -65,21 +74,6 @@ def candidates(n: int, k: int):
             if block_n <= next_power_of_2(n) and block_n * block_k <= 16384:
                 for warps in (4, 8):
                     yield SkinnyTile(block_n, block_k, warps)
-
-
-def write_tuned(path: Path, device_name: str, tuned: dict[tuple[int, int], tuple[Any, dict, dict]]):
-    """Merge this GPU's tiles into the JSON skinny_tiles reads (other GPUs' entries stay)."""
-    data = json.loads(path.read_text()) if path.exists() else {"devices": {}}
-    data["about"] = ("Skinny linear tiles (block_n, block_k, num_warps) per GPU model and (N, K), written by "
-                     "`python experiments/bench_skinny_linear.py --sweep --tune`: the tile with the lowest worst "
-                     "ratio to the per-op path over the measured Ms (one tile for every M: a row's numbers must not "
-                     "depend on M), with its µs per call and the per-op path's per M.")
-    shapes = data["devices"].setdefault(device_name, {})
-    for (n, k), (tile, us, per_op_us) in tuned.items():
-        shapes[f"{n}x{k}"] = {"tile": list(tile), "us": {str(m): round(t, 2) for m, t in us.items()},
-                              "per_op_us": {str(m): round(t, 2) for m, t in per_op_us.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def measure(args) -> dict[str, Any]:
@@ -130,7 +124,14 @@ def measure(args) -> dict[str, Any]:
         rows.append({"layer": "layer", "fusion": "all four", "m": m, **total,
                      "ratio": total["skinny_us"] / total["per_op_us"]})
     if args.tune and tuned and name is not None and dtype.itemsize == 2:
-        write_tuned(Path(args.tune), name, tuned)
+        write_tuned(Path(args.tune), name,
+                    "Skinny linear tiles (block_n, block_k, num_warps) per GPU model and (N, K), written by "
+                    "`python experiments/bench_skinny_linear.py --sweep --tune`: the tile with the lowest worst ratio "
+                    "to the per-op path over the measured Ms (one tile for every M: a row's numbers must not depend "
+                    "on M), with its µs per call and the per-op path's per M.",
+                    {f"{n}x{k}": {"tile": list(tile), "us": {str(m): round(t, 2) for m, t in us.items()},
+                                  "per_op_us": {str(m): round(t, 2) for m, t in per_op.items()}}
+                     for (n, k), (tile, us, per_op) in tuned.items()})
     return {"shape_name": "tiny" if args.tiny else args.shape, "dtype": args.dtype, "rows": rows,
             "copy_gb_s": (bandwidth or 0) / 1e9}
 
