@@ -130,7 +130,7 @@ def test_greedy_tokens_with_skinny_layers_equal_the_per_op_path(kernels_on_cpu, 
     """Through the engine (LLM(skinny_rows=4)), with EAGLE-3 drafting from hidden-state taps of skinny layers: the
     same tokens as without them, and the skinny kernels ran."""
     spec = {"method": "eagle3", "model": "tiny-llama-eagle3", "num_speculative_tokens": 2}
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = ["def add(a, b):", "import os\n"]
     calls = _count_skinny(monkeypatch)
     outs = {}
