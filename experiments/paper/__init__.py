@@ -470,6 +470,21 @@ TABLES: dict[str, Table] = {
               "process. workload=agentic: coding-agent sessions that re-emit and edit earlier outputs (conf/workload/"
               "agentic.yaml); code: stdlib code prompts.",
     ),
+    "spec_suffix_cpu": Table(
+        what="suffix decoding vs ngram (k = 5, greedy) on the agentic workload, the built-in tiny-llama target at "
+             "batch 1 and 8 (CPU): tau over verify steps, tokens per forward over all steps, speedup",
+        device="cpu", measured_on="CPU (2 cores)", minutes="~15 min (12 jobs)",
+        sweep=("experiment=spec_ablation", "logger=jsonl", "workload=agentic", "spec.num_speculative_tokens=5"),
+        parts=_spec_parts((("spec=ngram",), ("spec=suffix",)), batches=(1, 8)), repeat_key="seed",
+        title="Suffix decoding vs ngram on the agentic workload (CPU, tiny-llama)",
+        about="The built-in tiny-llama target, k = 5 drafts (suffix: vLLM's defaults, at most the match length), "
+              "greedy, 8 requests at batch 1 and 32 at batch 8 (4 turns of coding-agent sessions each, conf/workload/"
+              "agentic.yaml), 3 seeds per cell; each job also runs the workload without speculation in the same "
+              "process. mean_acceptance_length (tau, vLLM's) counts only the steps that verified drafts; "
+              "emitted_per_forward counts every step a request emitted in. ngram drafts only where the context "
+              "repeats its last 2-5 tokens, suffix decoding on most steps: its tau is lower and its tokens per "
+              "forward higher (issue 36).",
+    ),
     "spec_mtp_h200": Table(
         what="DeepSeek MTP (k = 1, 3) vs EAGLE-3 (k = 3), greedy, on the agentic and code workloads, GPU reference "
              "DeepSeek-V2 target x batch {1,8,32}",

@@ -491,7 +491,9 @@ class AcceptanceMetrics(EngineMetrics):
     """EngineMetrics plus speculative-decoding acceptance: per draft position j, the fraction of
     verified drafts at position j that were accepted, and the mean acceptance length tau (vLLM's
     definition: tokens emitted per target forward of a request that verified drafts = 1 + accepted /
-    verifications). Without drafts it adds nothing."""
+    verifications). Without drafts it adds nothing. Beside it, `emitted_per_forward`: tokens emitted per target forward
+    of a request over every step that emitted one, drafts or not: tau counts only the steps that verified drafts, so
+    a proposer that drafts on fewer steps (ngram without a match) shows a higher tau than the tokens it buys."""
 
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -499,6 +501,8 @@ class AcceptanceMetrics(EngineMetrics):
     num_accepted: int = 0
     num_evaluated: int = 0  # drafts the target judged: up to and including the first rejection
     verifications_with_k: dict[int, int] = field(default_factory=dict)  # k -> verifications with k drafts
+    num_emitting: int = 0  # (request, step) pairs that emitted tokens, drafts or not
+    num_emitted: int = 0  # the tokens they emitted
     # request id -> its verify steps' [real drafts, accepted], in order; None: not recorded
     traces: dict[str, list[list[int]]] | None = None
 
@@ -506,6 +510,7 @@ class AcceptanceMetrics(EngineMetrics):
         super().reset()
         self.drafted_at, self.accepted_at = [], []
         self.num_verifications = self.num_accepted = self.num_evaluated = 0
+        self.num_emitting = self.num_emitted = 0
         self.verifications_with_k = {}
         self.traces = None if self.traces is None else {}
 
@@ -518,6 +523,9 @@ class AcceptanceMetrics(EngineMetrics):
                     self.traces.setdefault(req_id, []).append([k, min(len(emitted) - 1, k)])
 
     def record_acceptance(self, num_draft_tokens: list[int], emitted_per_request: list[list[int]]) -> None:
+        emitting = [emitted for emitted in emitted_per_request if emitted]
+        self.num_emitting += len(emitting)
+        self.num_emitted += sum(map(len, emitting))
         for k, emitted in zip(num_draft_tokens, emitted_per_request):
             if k <= 0 or not emitted:
                 continue
@@ -543,6 +551,7 @@ class AcceptanceMetrics(EngineMetrics):
             out["draft_alpha"] = alpha = self.num_accepted / self.num_evaluated
             out["leviathan_tau"] = sum(n * leviathan_tau(alpha, k) for k, n in self.verifications_with_k.items()
                                        ) / self.num_verifications
+            out["emitted_per_forward"] = self.num_emitted / self.num_emitting
         return out
 
 

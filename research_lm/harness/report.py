@@ -40,10 +40,10 @@ import yaml
 # Key metrics per task, in column order; a column appears when some job has it.
 GENERATE_METRICS = (
     "output_throughput_tok_s", "ttft_ms_p50", "tpot_ms_mean", "decode_step_ms_median", "kv_bytes_per_token",
-    "kv_bytes_used_max", "state_bytes_per_request", "num_preemptions", "mean_acceptance_length", "leviathan_tau",
-    "draft_acceptance_rate", "draft_ms_per_step_median", "verify_ms_per_step_median", "draft_fraction", "speedup",
-    "tpot_ratio", "decode_step_ratio", "kv_bytes_per_token_ratio", "kv_bytes_used_ratio", "outputs_match_baseline",
-    "offered_request_rate",
+    "kv_bytes_used_max", "state_bytes_per_request", "num_preemptions", "mean_acceptance_length", "emitted_per_forward",
+    "leviathan_tau", "draft_acceptance_rate", "draft_ms_per_step_median", "verify_ms_per_step_median",
+    "draft_fraction", "speedup", "tpot_ratio", "decode_step_ratio", "kv_bytes_per_token_ratio", "kv_bytes_used_ratio",
+    "outputs_match_baseline", "offered_request_rate",
 )
 # Plotted against numeric swept keys (when present).
 PLOT_METRICS = ("output_throughput_tok_s", "tpot_ms_mean", "mean_acceptance_length", "speedup")
@@ -385,7 +385,9 @@ def build_report(root: Path, plots: bool = True, repeat_key: str = REPEAT_KEY) -
         lines.append("Columns: throughput in tokens/s; ttft/tpot/decode_step in ms; kv_bytes_per_token = KV cache "
                      "bytes per token of context (all layers); kv_bytes_used_max = KV bytes in use at the busiest "
                      "step; "
-                     "mean_acceptance_length = tokens per target forward (tau); leviathan_tau = the tau that "
+                     "mean_acceptance_length = tokens per target forward of a request that verified drafts (tau, "
+                     "vLLM's); emitted_per_forward = tokens per target forward of a request over every step it "
+                     "emitted in, drafts or not (what a proposer that skips steps buys); leviathan_tau = the tau that "
                      "position-independent acceptance at the measured per-draft rate would give, "
                      "(1 - a^(k+1)) / (1 - a); draft_/verify_ms_per_step_median = "
                      "median ms of the proposer / of the target forward + rejection sampling over steps that verified "

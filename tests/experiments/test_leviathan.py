@@ -51,3 +51,14 @@ def test_position_dependent_acceptance_departs_from_the_prediction():
 def test_all_accepted():
     s = _summary([(5, 5)] * 10)
     assert s["draft_alpha"] == 1.0 and s["leviathan_tau"] == s["mean_acceptance_length"] == 6.0
+
+
+def test_emitted_per_forward_counts_the_steps_without_drafts_that_tau_leaves_out():
+    """Two verify steps (3 drafts: 2 accepted, then 0) and two steps without drafts: tau = 1 + 2 / 2 = 2.0 over the
+    verify steps, but 3 + 1 + 1 + 1 = 6 tokens over 4 forwards = 1.5 per forward."""
+    metrics = AcceptanceMetrics()
+    metrics.record_acceptance([3, 0], [[0, 0, 0], [0]])
+    metrics.record_acceptance([3, 0], [[0], [0]])
+    summary = metrics.summary()
+    assert summary["mean_acceptance_length"] == 2.0
+    assert summary["emitted_per_forward"] == 1.5
