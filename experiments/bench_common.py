@@ -147,7 +147,7 @@ def write_results(name: str, table: str, payload: dict[str, Any], out: Path = RE
     (out / f"{name}.md").write_text(table + "\n")
 
 
-def write_tuned(path: Path, device_name: str, about: str, entries: dict[str, dict[str, Any]]) -> None:
+def merge_tuned(path: Path, device_name: str, about: str, entries: dict[str, dict[str, Any]]) -> None:
     """Merge one GPU model's tuned entries (shape key -> entry) into a tuned-tiles JSON that a kernel reads at run
     time (research_lm/assets/tuned/); other GPUs' entries stay."""
     data = json.loads(path.read_text()) if path.exists() else {"devices": {}}

@@ -28,9 +28,9 @@ from bench_common import (
     cell,
     env_line,
     gpu_ms,
+    merge_tuned,
     repeats_line,
     run_table,
-    write_tuned,
 )
 
 NAME = "bench_invariant_gemm"
@@ -101,6 +101,19 @@ def weight_copies(n: int, k: int, dtype: torch.dtype) -> int:
     return max(2, min(16, -(-100_000_000 // (n * k * dtype.itemsize))))
 
 
+def write_tuned(path: Path, device_name: str, tuned: dict[tuple[int, int], tuple[Any, dict[int, float], dict]]):
+    """Merge this GPU's tiles into TUNED_CONFIGS' JSON (other GPUs' entries stay), with the ratios they measured."""
+    from dataclasses import asdict
+
+    merge_tuned(path, device_name,
+                "Batch-invariant GEMM tiles per GPU model and 16-bit (N, K), written by "
+                "`python experiments/bench_invariant_gemm.py --sweep --tune`: the tile with the lowest worst ratio to "
+                "cuBLAS over the measured Ms (µs per call beside it).",
+                {f"{n}x{k}": {"config": asdict(config), "us": {str(m): round(t, 2) for m, t in us.items()},
+                              "cublas_us": {str(m): round(t, 2) for m, t in cublas.items()}}
+                 for (n, k), (config, us, cublas) in tuned.items()})
+
+
 def measure(args) -> dict[str, Any]:
     from research_lm.ops.batch_invariant import linear, linear_config
 
@@ -135,15 +148,7 @@ def measure(args) -> dict[str, Any]:
             row["cublas_row_changes"] = not torch.equal(first[row["m"]][0], first[m0][0])
             row["invariant_row_changes"] = not torch.equal(first[row["m"]][1], first[m0][1])
     if args.tune and tuned and device.type == "cuda" and dtype.itemsize == 2:
-        from dataclasses import asdict
-
-        write_tuned(Path(args.tune), torch.cuda.get_device_name(device),
-                    "Batch-invariant GEMM tiles per GPU model and 16-bit (N, K), written by "
-                    "`python experiments/bench_invariant_gemm.py --sweep --tune`: the tile with the lowest worst "
-                    "ratio to cuBLAS over the measured Ms (µs per call beside it).",
-                    {f"{n}x{k}": {"config": asdict(config), "us": {str(m): round(t, 2) for m, t in us.items()},
-                                  "cublas_us": {str(m): round(t, 2) for m, t in cublas.items()}}
-                     for (n, k), (config, us, cublas) in tuned.items()})
+        write_tuned(Path(args.tune), torch.cuda.get_device_name(device), tuned)
     return {"shape_name": "tiny" if args.tiny else args.shape, "dtype": args.dtype, "rows": rows}
 
 

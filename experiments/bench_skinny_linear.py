@@ -27,9 +27,9 @@ from bench_common import (
     cell,
     copy_bandwidth,
     env_line,
+    merge_tuned,
     repeats_line,
     run_table,
-    write_tuned,
 )
 from bench_invariant_gemm import graph_us, weight_copies
 
@@ -124,7 +124,7 @@ def measure(args) -> dict[str, Any]:
         rows.append({"layer": "layer", "fusion": "all four", "m": m, **total,
                      "ratio": total["skinny_us"] / total["per_op_us"]})
     if args.tune and tuned and name is not None and dtype.itemsize == 2:
-        write_tuned(Path(args.tune), name,
+        merge_tuned(Path(args.tune), name,
                     "Skinny linear tiles (block_n, block_k, num_warps) per GPU model and (N, K), written by "
                     "`python experiments/bench_skinny_linear.py --sweep --tune`: the tile with the lowest worst ratio "
                     "to the per-op path over the measured Ms (one tile for every M: a row's numbers must not depend "
