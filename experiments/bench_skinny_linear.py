@@ -32,17 +32,18 @@ from bench_common import (
     run_table,
 )
 from bench_invariant_gemm import graph_us, weight_copies
+from bench_invariant_gemm import projections as gemm_shapes
 
 NAME = "bench_skinny_linear"
 
 
+FUSIONS = {"qkv_proj": "norm", "o_proj": "residual", "gate_up_proj": "norm_silu_mul", "down_proj": "residual"}
+
+
 def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int, str]]:
     """Layer name -> (rows of W, K, fusion) of a Llama decoder's projections as the skinny path runs them."""
-    h, inter = shape["hidden_size"], shape["intermediate_size"]
-    head_dim = shape.get("head_dim") or h // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    return {"qkv_proj": (q + 2 * kv, h, "norm"), "o_proj": (h, q, "residual"),
-            "gate_up_proj": (2 * inter, h, "norm_silu_mul"), "down_proj": (h, inter, "residual")}
+    gemms = gemm_shapes(shape)
+    return {layer: (*gemms[layer], fusion) for layer, fusion in FUSIONS.items()}
 
 
 def calls(fusion: str, x: torch.Tensor, norm: torch.Tensor, residual: torch.Tensor):

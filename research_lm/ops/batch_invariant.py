@@ -24,7 +24,6 @@ before, and tests reach the kernels under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ import triton.language as tl
 from torch import nn
 
 from research_lm.assets import ASSETS
-from research_lm.ops.common import next_power_of_2, round_to
+from research_lm.ops.common import gpu_model, next_power_of_2, round_to, tuned_entries
 
 # Tiles measured per GPU and 16-bit weight shape (experiments/bench_invariant_gemm.py --tune writes them): a tuned
 # tile is still a function of (device, N, K) alone, so a row's bits do not depend on M on that device.
@@ -60,15 +59,8 @@ class LinearConfig:
 @functools.cache
 def tuned_configs(device_name: str) -> dict[tuple[int, int], LinearConfig]:
     """(N, K) -> the tile measured fastest on this GPU model for 16-bit weights; {} for a GPU never tuned."""
-    if not TUNED_CONFIGS.exists():
-        return {}
-    shapes = json.loads(TUNED_CONFIGS.read_text())["devices"].get(device_name, {})
+    shapes = tuned_entries(TUNED_CONFIGS, device_name)
     return {tuple(map(int, nk.split("x"))): LinearConfig(**entry["config"]) for nk, entry in shapes.items()}
-
-
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
 
 
 def linear_config(n: int, k: int, dtype: torch.dtype, device_name: str | None = None) -> LinearConfig:
@@ -167,7 +159,7 @@ def linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    c = config or linear_config(n, k, x.dtype, _device_name(x.device.index or 0) if x.is_cuda else None)
+    c = config or linear_config(n, k, x.dtype, gpu_model(x.device.index or 0) if x.is_cuda else None)
     upcast = x.device.type == "cpu" or x.dtype == torch.float32  # CPU: the interpreter (TRITON_INTERPRET=1)
     k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
     split_k = triton.cdiv(k, k_per_split)  # (a K shorter than split_k tiles has fewer ranges)

@@ -1,9 +1,29 @@
-"""What the kernels share: dtype rounding as torch does it, block and warp sizes."""
+"""What the kernels share: dtype rounding as torch does it, block and warp sizes, tiles tuned per GPU model."""
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def gpu_model(index: int) -> str:
+    """The GPU model a tuned-tiles file keys its entries by."""
+    return torch.cuda.get_device_name(index)
+
+
+def tuned_entries(path: Path, device_name: str) -> dict[str, dict[str, Any]]:
+    """One GPU model's entries (shape key -> entry) of a tuned-tiles JSON that a sweep wrote
+    (experiments/bench_common.merge_tuned); {} for a GPU never tuned or no file."""
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())["devices"].get(device_name, {})
 
 
 def num_warps_for(block: int) -> int:

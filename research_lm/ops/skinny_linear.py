@@ -18,7 +18,6 @@ order that depends on neither M nor the other rows.
 from __future__ import annotations
 
 import functools
-import json
 from typing import NamedTuple
 
 import torch
@@ -27,7 +26,7 @@ import triton.language as tl
 
 from research_lm.assets import ASSETS
 from research_lm.ops import SKINNY_MAX_ROWS
-from research_lm.ops.common import next_power_of_2, round_to
+from research_lm.ops.common import gpu_model, next_power_of_2, round_to, tuned_entries
 
 # Tiles measured per GPU model (experiments/bench_skinny_linear.py --sweep --tune writes them)
 TUNED_TILES = ASSETS / "tuned" / "skinny_linear.json"
@@ -112,9 +111,7 @@ class SkinnyTile(NamedTuple):
 @functools.cache
 def tuned_tiles(device_name: str) -> dict[tuple[int, int], SkinnyTile]:
     """(N, K) -> the tile measured fastest on this GPU model (16-bit weights); {} for a GPU never tuned."""
-    if not TUNED_TILES.exists():
-        return {}
-    shapes = json.loads(TUNED_TILES.read_text())["devices"].get(device_name, {})
+    shapes = tuned_entries(TUNED_TILES, device_name)
     return {tuple(map(int, key.split("x"))): SkinnyTile(*entry["tile"]) for key, entry in shapes.items()}
 
 
@@ -128,10 +125,6 @@ def skinny_tiles(n: int, k: int, device_name: str | None = None) -> SkinnyTile:
     block_k = min(next_power_of_2(k), 2048)
     return SkinnyTile(min(max(8192 // block_k, 1), next_power_of_2(n)), block_k)
 
-
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
 
 
 def skinny_linear(
@@ -156,7 +149,7 @@ def skinny_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile is None:
         tuned = x.device.type == "cuda" and x.dtype.itemsize == 2
-        tile = skinny_tiles(n, k, _device_name(x.device.index or 0) if tuned else None)
+        tile = skinny_tiles(n, k, gpu_model(x.device.index or 0) if tuned else None)
     _skinny_linear_kernel[(triton.cdiv(n, tile.block_n) * m,)](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out, m, n, k, x.stride(0), eps,
