@@ -28,7 +28,9 @@ profile unless `--draft-profile` gives its own. A profile of fewer positions tha
 Each cell (a method at k drafts, or plain decoding) is one engine serving each batch size of `--batches` in turn
 (graphs captured at those sizes), greedy, `--tokens` output tokens per request (ignore_eos), the same prompts and
 seeds in every cell: batch b serves ceil(`--requests` / b) rounds of b requests. Prompts: `--prompt-len` token ids,
-a random block of `--period` ids repeated, so an n-gram drafter finds matches. Per cell and batch size:
+a random block of `--period` ids repeated, so an n-gram drafter finds matches; its cells replay with
+`acceptance_replay_echo` = `--period` (the token after the kept drafts repeats the block), so it keeps finding them
+after the replay's tokens, as it finds real text's repeats in the run its profile came from. Per cell and batch size:
 - TPOT: vLLM's mean time per output token over the requests, (finish - first token) / (tokens - 1);
 - tok/s: output tokens / the rounds' wall time (prefill included);
 - speedup: plain TPOT / this TPOT, plain decoding measured in the same repeat of this process;
@@ -80,6 +82,7 @@ CACHE = Path(__file__).resolve().parents[1] / "outputs" / "spec_transfer"
 ANCHOR_PROFILE = ASSETS / "profiles" / "vllm_eagle3_llama31_8b_mtbench_k4.json"
 KEY = ("batch", "method", "k", "profile")
 METHODS = ("eagle3", "draft_model", "ngram", "medusa")
+READS_THE_TEXT = ("ngram",)  # drafters that draft from the text: they replay with echo
 VLLM = "vLLM #20780"
 # vLLM issue #20780: EAGLE-3 on Llama-3.1-8B, MT-bench, batch 1: K -> (acceptance length, TPOT ms); plain 7.07 ms
 VLLM_PLAIN_TPOT_MS = 7.07
@@ -335,7 +338,8 @@ def build_llm(args: argparse.Namespace, target: str, c: Cell) -> LLM:
                max_num_seqs=n, max_num_batched_tokens=max(args.prompt_len * n, 256), max_model_len=max_len,
                num_gpu_blocks=n * -(-max_len // 16) + 2, enable_prefix_caching=False, cuda_graph_sizes=list(c.batches),
                prefill_graph_sizes=[], speculative_config=c.spec,
-               acceptance_replay=None if c.profile is None else c.profile.to_dict())
+               acceptance_replay=None if c.profile is None else c.profile.to_dict(),
+               acceptance_replay_echo=args.period if c.method in READS_THE_TEXT and c.profile is not None else 0)
 
 
 def serve(llm: LLM, prompts: list[list[int]], batch: int, tokens: int, device: torch.device) -> tuple[list, float]:

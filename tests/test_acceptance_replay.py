@@ -183,6 +183,45 @@ def test_verify_graphs_with_drafting_behind_them_replay_as_eager_steps(profile, 
     assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs+async"])
+def test_echo_keeps_ngram_drafting_on_a_periodic_prompt(graphs, monkeypatch):
+    """A random block of P ids repeated: with acceptance_replay_echo=P the text keeps repeating the block, so ngram
+    drafts k tokens in every verify step whatever the replay kept; without echo the target's own tokens break the
+    repeats. Through verify graphs with async launch too (the kernel's path reads the token table)."""
+    P, n_out = 8, 24 if graphs else 48  # (the interpreted kernels are slow)
+    block = torch.randint(10, 1000, (P,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [block * 4, block[3:] + block * 3]
+    in_graph = []
+    accept = AcceptanceReplay.accept_greedily
+    monkeypatch.setattr(AcceptanceReplay, "accept_greedily", lambda *a: in_graph.append(1) or accept(*a))
+    knobs = dict(block_size=4, max_num_batched_tokens=64, num_gpu_blocks=80, max_model_len=128,
+                 attention_backend="triton", enable_prefix_caching=False, async_scheduling=True) if graphs else {}
+    spec = {**NGRAM, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+    def serve(echo: int):
+        llm = LLM("tiny-llama", **(KNOBS | knobs), speculative_config=spec, acceptance_replay=PROFILE,
+                  acceptance_replay_echo=echo)
+        if graphs:
+            assert llm.engine.runner.capture_cuda_graphs([1, 2], prefill_sizes=[], capture=eager_capture) is None
+        llm.engine.metrics = AcceptanceMetrics(traces={})
+        params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, seed=3)
+        return llm.generate(prompts, params, use_tqdm=False), llm.engine.metrics.traces
+
+    outputs, traces = serve(P)
+    for prompt, out in zip(prompts, outputs, strict=True):  # (the prompt step's token is the target's own: the
+        text = prompt + out.outputs[0].token_ids  # drafts kept after it may continue either repeat)
+        assert len(text) == len(prompt) + n_out and sum(text[t] == text[t - P] for t in range(P, len(text))) >= 0.8 * (
+            len(text) - P)
+    steps = [s for t in traces.values() for s in t]
+    assert len(steps) >= n_out / 3 and all(d == K for d, _ in steps[:-2])  # (the last ones: max_tokens)
+    assert sum(a for _, a in steps) < len(steps) * K  # the profile, not the repeats, decided what was kept
+    if graphs:
+        assert len(in_graph) >= 8
+    else:
+        _, plain = serve(0)
+        assert sum(len(t) for t in plain.values()) < len(steps) / 2
+
+
 def test_replay_is_refused_without_speculation_with_a_tree_and_with_too_few_positions():
     with pytest.raises(ValueError, match="needs a speculative_config"):
         EngineConfig(acceptance_replay=PROFILE)
@@ -190,6 +229,10 @@ def test_replay_is_refused_without_speculation_with_a_tree_and_with_too_few_posi
             "speculative_token_tree": "[(0,), (1,), (0, 0)]"}
     with pytest.raises(ValueError, match="chains only"):
         LLM("tiny-llama", **KNOBS, speculative_config=tree, acceptance_replay=PROFILE)
+    with pytest.raises(ValueError, match="acceptance_replay_echo shapes replayed tokens: it needs"):
+        EngineConfig(acceptance_replay_echo=8)
+    with pytest.raises(ValueError, match="acceptance_replay_echo must exceed num_speculative_tokens"):
+        LLM("tiny-llama", **KNOBS, speculative_config=EAGLE3, acceptance_replay=PROFILE, acceptance_replay_echo=K)
     with pytest.raises(ValueError, match="rates for 3 draft positions; the run drafts 4"):
         LLM("tiny-llama", **KNOBS, speculative_config={**EAGLE3, "num_speculative_tokens": 4},
             acceptance_replay=PROFILE)

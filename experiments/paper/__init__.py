@@ -567,6 +567,22 @@ TABLES: dict[str, Table] = {
 }
 
 
+# ngram on the 8B shape at its recorded profile, with echo (README "Acceptance replay"): session 27's H200 table had
+# no ngram drafts under replay.
+TABLES["spec_transfer_ngram_8b_h100"] = Table(
+    what="ngram on a Llama-3.1-8B shape (random bf16 weights, triton, CUDA graphs) at the acceptance our trained "
+         "reference pair's ngram recorded (research_lm/assets/profiles/reference_ngram_k5.json), replayed with echo "
+         "so it drafts every step: TPOT, tok/s, speedup, tau, draft / verify ms at batch 1/8/32/64, k = 3/5",
+    device="cuda", measured_on="NVIDIA H100", minutes="~4 min (estimate: 3 engines x 3 repeats)",
+    bench="bench_spec_transfer",
+    args=("--methods", "ngram", "--ngram-profile", f"{_PROFILES}/reference_ngram_k5.json"),
+    smoke=("--tiny", "--device", "cpu", "--backend", "torch_ref", "--dtype", "float32", "--batches", "1", "2",
+           "--tokens", "8", "--requests", "2", "--prompt-len", "16", "--period", "8", "--warmup-tokens", "2",
+           "--methods", "ngram",
+           "--ngram-profile", f"{_PROFILES}/reference_ngram_k5.json"),
+)
+TABLES["spec_transfer_ngram_8b_h200"] = replace(TABLES["spec_transfer_ngram_8b_h100"], measured_on="NVIDIA H200")
+
 # The validation and its profile on vLLM's GPU kind too (record the profile on that GPU first:
 # `METHODS=eagle3 bash experiments/record_reference_profiles.sh`, so the trace replayed is the run measured).
 TABLES["spec_replay_validation_h100"] = replace(TABLES["spec_replay_validation_h200"], measured_on="NVIDIA H100")

@@ -88,6 +88,9 @@ class EngineConfig:
     # Every verify step runs for real, then each request keeps the number of drafts the profile replays: time is
     # real, acceptance is the profile's, the outputs mean nothing (each RequestOutput says so).
     acceptance_replay: str | dict[str, Any] | None = None
+    # Under replay, row n's token repeats the request's token this many positions back (0: the target's argmax), so a
+    # model-free drafter (ngram, suffix) keeps finding a periodic prompt's continuation; must exceed the drafts.
+    acceptance_replay_echo: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # model-family knobs
 
     def model_extra(self) -> dict[str, Any]:
@@ -133,7 +136,11 @@ class EngineConfig:
 
     def _check_acceptance_replay(self) -> None:
         """A replay needs drafts to replay; its profile is read and checked before any weights load."""
+        if self.acceptance_replay_echo < 0:
+            raise ValueError(f"acceptance_replay_echo must be >= 0, got {self.acceptance_replay_echo}")
         if self.acceptance_replay is None:
+            if self.acceptance_replay_echo:
+                raise ValueError("acceptance_replay_echo shapes replayed tokens: it needs an acceptance_replay")
             return
         if not self.speculative_config:
             raise ValueError("acceptance_replay replays how many drafts each verify step accepts: it needs a "

@@ -152,7 +152,7 @@ class LLMEngine:
             raise ValueError("acceptance_replay replays chains only: drop the token tree (speculative_token_tree, "
                              "topk, suffix_decoding_tree) or the replay")
         replay = AcceptanceReplay(load_profile(self.config.acceptance_replay), proposer.num_speculative_tokens, device,
-                                  self.config.max_num_seqs)
+                                  self.config.max_num_seqs, echo=self.config.acceptance_replay_echo)
         logger.warning("acceptance is replayed from %r: verify steps keep the profile's draft counts, so the outputs "
                        "are not the model's; only timing and counts mean anything", replay.source)
         return replay

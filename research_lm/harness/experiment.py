@@ -214,6 +214,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         distributed_timeout_s=r.get("distributed_timeout_s", 300.0),
         load_format=m.get("load_format", "auto"),
         acceptance_replay=_container(cfg.get("acceptance_replay")),
+        acceptance_replay_echo=cfg.get("acceptance_replay_echo", 0),
     )
 
 

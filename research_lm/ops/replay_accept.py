@@ -13,7 +13,8 @@ padding, read as row 0):
   with u_j < rate_j, u_j the REPLAY stream's uniforms at (seed[row], num_tokens[row]) (`rng.uniform_rows`);
 - n = min(c, real), real = num_drafts[row];
 - emitted: drafts 1 .. n, then the argmax (torch's rule: NaN largest, ties to the lower index) of logits row i*q + n
-  with draft n + 1 excluded where n < real, then -1; argmax rows i*q .. i*q + n are overwritten with them;
+  with draft n + 1 excluded where n < real (with echo P: the token at table position num_tokens[row] + n - P where
+  that is >= 0), then -1; argmax rows i*q .. i*q + n are overwritten with them;
 - packed (`GraphStep.accepted`): emitted [b*q], n + 1 [b], real [b].
 """
 
@@ -43,10 +44,12 @@ def _replay_accept_kernel(
     trace_of_ptr,  # [R] int64
     cursor_ptr,  # [R] int64
     seeds_ptr,  # [R] int64 (rates)
-    num_tokens_ptr,  # [R] int: tokens before the step (rates)
+    num_tokens_ptr,  # [R] int: tokens before the step (rates, echo)
+    tokens_ptr,  # [R, W] int: the token table (echo)
     rates_ptr,  # [k] float32 (rates)
     packed_ptr,  # [b*q + 2b] int64: emitted, n + 1, real
     logits_stride,
+    tokens_stride,
     V,
     L,
     stream_term,  # int64: rng's stream * C, as its bits
@@ -54,6 +57,7 @@ def _replay_accept_kernel(
     q: tl.constexpr,
     Q_POW2: tl.constexpr,  # next power of 2 >= q
     TRACES: tl.constexpr,
+    ECHO: tl.constexpr,  # P > 0: row n's token repeats the one P positions back (0: off)
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
@@ -94,10 +98,15 @@ def _replay_accept_kernel(
         best = tl.where(better, v, best)
         best_col = tl.where(better, cols, best_col)
     _, correction = tl.reduce((best, best_col), 0, _argmax_combine)
+    last = correction.to(tl.int64)
+    if ECHO > 0:
+        at = tl.load(num_tokens_ptr + row).to(tl.int64) + n - ECHO
+        echoed = tl.load(tokens_ptr + row * tokens_stride + tl.maximum(at, 0)).to(tl.int64)
+        last = tl.where(at >= 0, echoed, last)
     j = tl.arange(0, Q_POW2)
     in_row = j < q
     drafts = tl.load(ids_ptr + first + 1 + j, mask=in_row & (j < q - 1), other=0)
-    emitted = tl.where(j < n, drafts, tl.where(j == n, correction.to(tl.int64), -1))
+    emitted = tl.where(j < n, drafts, tl.where(j == n, last, -1))
     tl.store(packed_ptr + first + j, emitted, mask=in_row)
     tl.store(greedy_ptr + first + j, emitted, mask=in_row & (j <= n))
     tl.store(packed_ptr + b * q + i, n + 1)
@@ -108,6 +117,7 @@ def replay_accept(
     replay,  # the engine's AcceptanceReplay: its device tables
     rows: torch.Tensor,  # [b] int32 or int64: each request's table row, -1 on padding
     num_tokens: torch.Tensor,  # [R] int: every table row's tokens before the step
+    token_ids: torch.Tensor,  # [R, W] int: the token table (read with the replay's echo)
     num_drafts: torch.Tensor,  # [R] int32: every table row's real drafts
     input_ids: torch.Tensor,  # [>= b*q] int64: the step's input ids
     greedy: torch.Tensor,  # [>= b*q] int64: their argmax rows (overwritten: rows 0 .. n of each request)
@@ -124,7 +134,8 @@ def replay_accept(
     _replay_accept_kernel[(b,)](
         logits, greedy, input_ids, rows, num_drafts,
         replay.traces if traces else dummy, replay.trace_lens if traces else dummy, replay.trace_of, replay.cursor,
-        replay.seeds, num_tokens, replay.rates, packed,
-        logits.stride(0), V, replay.traces.shape[1] if traces else 1, rng.int64_bits(rng.REPLAY * rng._C), b,
-        q=q, Q_POW2=next_power_of_2(q), TRACES=traces, BLOCK=min(_MAX_BLOCK, next_power_of_2(V)),
+        replay.seeds, num_tokens, token_ids, replay.rates, packed,
+        logits.stride(0), token_ids.stride(0), V, replay.traces.shape[1] if traces else 1,
+        rng.int64_bits(rng.REPLAY * rng._C), b,
+        q=q, Q_POW2=next_power_of_2(q), TRACES=traces, ECHO=replay.echo, BLOCK=min(_MAX_BLOCK, next_power_of_2(V)),
     )

@@ -32,6 +32,13 @@ graph computes them, and the emitted tokens, inside itself where it accepts gree
 numbers as an eager step): a replayed plain-greedy step costs what a real one does. Where a "verified" draft graph
 re-derives acceptance from the verify's argmax rows, those rows are rewritten to agree (`forge_argmax`), so drafting
 behind the verify graph and async launch stay on. Chains only.
+
+Echo (`echo` = P > 0, the engine's `acceptance_replay_echo`): the target's token at row n is instead the token P
+positions before it in the request's own text (the argmax where the text is shorter). Replay makes the text meaningless,
+and a model-free drafter (ngram, suffix) drafts from the text: on a random target's tokens it finds no match and drafts
+nothing, so its verify steps never run. With a prompt that repeats a block of P tokens and echo P, the text keeps
+repeating it, the drafter finds the continuation every step as it finds real text's repeats in a real run, and the
+profile decides how much of it is kept. The argmax is still computed, so a step costs what it costs without echo.
 """
 
 from __future__ import annotations
@@ -179,12 +186,16 @@ class AcceptanceReplay:
     counts inside itself exactly as an eager step does."""
 
     def __init__(self, profile: AcceptanceProfile, num_speculative_tokens: int, device: torch.device,
-                 max_num_reqs: int):
+                 max_num_reqs: int, echo: int = 0):
         if num_speculative_tokens > profile.num_speculative_tokens:
             raise ValueError(f"acceptance_replay: the profile ({profile.source}) has rates for "
                              f"{profile.num_speculative_tokens} draft positions; the run drafts "
                              f"{num_speculative_tokens} (num_speculative_tokens)")
+        if echo and echo <= num_speculative_tokens:  # (the echoed token is then already in the token table)
+            raise ValueError(f"acceptance_replay_echo must exceed num_speculative_tokens ({num_speculative_tokens}), "
+                             f"got {echo}")
         self.profile = profile
+        self.echo = echo
         self.source = profile.source
         self.device = device
         self.rates = torch.tensor(profile.per_position[:num_speculative_tokens], dtype=torch.float32, device=device)
@@ -239,9 +250,22 @@ class AcceptanceReplay:
         u = rng.uniform_rows(self.seeds[safe], num_tokens.to(torch.int64), rng.REPLAY, k, self.device)  # [n, k]
         return (u < self.rates[:k]).long().cumprod(dim=1).sum(dim=1)
 
+    def echoed(
+        self,
+        token_ids: torch.Tensor,  # [R, W] the requests' token table
+        rows: torch.Tensor,  # [n] int64: table rows (>= 0)
+        num_tokens: torch.Tensor,  # [n] int: their tokens before the step
+        count: torch.Tensor,  # [n] int64: their emitted drafts (row n's token goes to position num_tokens + n)
+    ) -> torch.Tensor | None:  # [n] int64: the token `echo` positions before it, -1 where none; None without echo
+        if not self.echo:
+            return None
+        at = num_tokens.long() + count - self.echo
+        return torch.where(at >= 0, token_ids[rows, at.clamp(min=0)].long(), -1)
+
     def accept_greedily(
         self,
         num_tokens: torch.Tensor,  # [R] int: every table row's tokens before the step
+        token_ids: torch.Tensor,  # [R, W] int: the token table (read with `echo`)
         rows: torch.Tensor,  # [>= b] int32: each request's table row, -1 on padding
         num_drafts: torch.Tensor,  # [R] int32: every table row's real drafts
         input_ids: torch.Tensor,  # [>= b*q] int64: the step's ids (each request's newest token, then its drafts)
@@ -257,13 +281,14 @@ class AcceptanceReplay:
         if self.device.type in research_lm.ops.FUSED_DEVICE_TYPES:
             from research_lm.ops.replay_accept import replay_accept  # Triton, imported when a kernel runs
 
-            return replay_accept(self, rows, num_tokens, num_drafts, input_ids, greedy, logits, packed, b, q)
+            return replay_accept(self, rows, num_tokens, token_ids, num_drafts, input_ids, greedy, logits, packed,
+                                 b, q)
         t, row = b * q, rows[:b].long()
         safe = row.clamp(min=0)
         real = num_drafts[safe].long()
         n_acc = torch.minimum(self.counts(row, num_tokens[safe], q - 1), real)
         emitted = replay_greedy(logits[:t].view(b, q, -1), greedy[:t].view(b, q), input_ids[:t].view(b, q)[:, 1:],
-                                n_acc, real)
+                                n_acc, real, self.echoed(token_ids, safe, num_tokens[safe], n_acc))
         packed[:t].view(b, q).copy_(emitted)
         packed[t : t + b].copy_(n_acc + 1)
         packed[t + b : t + 2 * b].copy_(real)
@@ -277,13 +302,15 @@ class AcceptanceReplay:
 
 
 def replay_greedy(logits: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tensor, count: torch.Tensor,
-                  real: torch.Tensor) -> torch.Tensor:
+                  real: torch.Tensor, echoed: torch.Tensor | None = None) -> torch.Tensor:
     """A uniform verify step of plain-greedy requests under replay, device ops only (verify graphs run it): logits
     [b, q, V], greedy [b, q] their argmax, drafts [b, q - 1], count [b] replayed counts (<= real [b]). Emitted [b, q]:
     the first count drafts, then row count's argmax with draft count + 1 excluded where it is real (greedy
-    rejection's correction), -1 after; greedy's rows 0 .. count are rewritten to them (`forge_argmax`)."""
+    rejection's correction; the echoed token instead where `echoed` [b] has one), -1 after; greedy's rows 0 .. count
+    are rewritten to them (`forge_argmax`)."""
     row = logits[torch.arange(len(count), device=logits.device), count]  # [b, V]: row n of each request
-    emitted = _lay_out(drafts, count, _corrected(row, drafts, count, real))
+    last = _corrected(row, drafts, count, real)
+    emitted = _lay_out(drafts, count, last if echoed is None else torch.where(echoed >= 0, echoed, last))
     forge_argmax(greedy.view(-1), emitted, count)
     return emitted
 
@@ -309,6 +336,7 @@ class StepReplay:
     replay: AcceptanceReplay
     rows: torch.Tensor  # [n] int64 on the device: the sampling requests' table rows
     num_tokens: torch.Tensor  # [n] int on the device: prompt + outputs before the step
+    token_ids: torch.Tensor  # [R, W] the token table (read with echo)
 
     def apply(
         self,
@@ -321,7 +349,8 @@ class StepReplay:
         target_row: torch.Tensor | None,  # [n, k + 1] int64: request i's row j among them; None: i * (k + 1) + j
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # emitted [n, k + 1] int64, num_emitted [n] int32, n [n]
         """Emit the first n replayed drafts, then the target's token at row n: the real verification's where it kept
-        n drafts too, else the argmax of row n with draft n + 1 (where real) excluded, greedy rejection's correction.
+        n drafts too, else the argmax of row n with draft n + 1 (where real) excluded, greedy rejection's correction
+        (the echoed token instead, with echo).
         For a plain-greedy request both are that argmax, so the emitted tokens are the argmax rows 0 .. n of a
         verify whose drafts 1 .. n were the argmax: what a "verified" draft graph reads (`forge_argmax`)."""
         n, k = drafts.shape
@@ -334,6 +363,9 @@ class StepReplay:
         corrected = _corrected(logits[at].float(), drafts, count, num_real)  # row n of each request's
         real_last = emitted.gather(1, (num_emitted.long() - 1).clamp(min=0)[:, None])[:, 0]
         last = torch.where(num_emitted.long() - 1 == count, real_last, corrected)
+        echoed = self.replay.echoed(self.token_ids, self.rows, self.num_tokens, count)
+        if echoed is not None:
+            last = torch.where(echoed >= 0, echoed, last)
         return _lay_out(drafts, count, last), (count + 1).to(torch.int32), count
 
 

@@ -142,8 +142,8 @@ class ModelRunner:
                 compute_logits=self.model.compute_logits, vocab_size=self.vocab_size,
                 prefill_sizes=prefill_sizes if multi_token else (), capture=capture,
                 num_drafts=self.state.num_drafts if self.proposer is not None and self.tree is None else None,
-                replay_accept=self.acceptance_replay and (
-                    lambda *a: self.acceptance_replay.accept_greedily(self.state.num_tokens, *a)),
+                replay_accept=self.acceptance_replay and (lambda *a: self.acceptance_replay.accept_greedily(
+                    self.state.num_tokens, self.state.token_ids, *a)),
                 tree_bits=self.tree.bits if self.tree is not None else None)
             if self.proposer is not None:  # the drafter's prompt graphs: the lengths the target's serve
                 graphs = self.cuda_graphs

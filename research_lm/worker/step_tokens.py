@@ -62,7 +62,7 @@ def sample_or_verify(inputs: StepInputs, scheduled, logits: torch.Tensor, greedy
         scheduled, sampling, inputs.common.query_start_loc_cpu.numpy(), logits, greedy_ids, input_ids,
         state.num_drafts[table_rows], batch, draft_probs,
         tree and RequestTrees(*tree.of_rows(table_rows.long()), max_depth=tree.depth),
-        replay and StepReplay(replay, table_rows.long(), state.num_tokens[table_rows]))
+        replay and StepReplay(replay, table_rows.long(), state.num_tokens[table_rows], state.token_ids))
     if index is not None:
         emitted = torch.full((n, emitted.shape[1]), -1, dtype=torch.int64, device=device).index_copy_(0, index, emitted)
         num_emitted = torch.zeros(n, dtype=torch.int32, device=device).index_copy_(0, index, num_emitted)
