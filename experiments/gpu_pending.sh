@@ -187,6 +187,31 @@ print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
 PY
     ;;
+  tree_host)  # issue 29: the tree16 step's host time by Python function (cProfile; the torch profile above showed
+              # 5.6 ms of host against 1.2 ms of GPU per step), beside the chain's, the built-in pair at batch 1
+    python - <<'PY'
+import cProfile, pstats, time
+from research_lm import LLM, SamplingParams
+tree = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0),
+        (1, 0, 0), (0, 0, 0, 0), (0, 0, 1, 0)]
+for name, extra in (("chain4", {"num_speculative_tokens": 4}), ("tree16", {"speculative_token_tree": tree})):
+    llm = LLM("tiny-llama", speculative_config={"method": "eagle3", "model": "tiny-llama-eagle3", **extra},
+              max_num_seqs=1)
+    prompt, params = ["def fibonacci(n):\n    "], SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    llm.generate(prompt, params, use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(prompt, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    pr = cProfile.Profile()
+    pr.enable()
+    out = llm.generate(prompt, params, use_tqdm=False)
+    pr.disable()
+    m = out[0].metrics
+    print(f"== {name}: {wall * 1e3:.1f} ms unprofiled, tokens {m.num_output_tokens}, accepted {m.num_accepted_tokens}")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    pstats.Stats(pr).sort_stats("cumtime").print_stats(45)
+PY
+    ;;
   bi)  # issue 35: the GPU proofs, then the invariant GEMM against cuBLAS and the tile sweep that rewrites the tuned tiles
     python -m pytest tests/test_batch_invariant_gpu.py tests/ops/test_batch_invariant.py -m "gpu or not gpu" \
       -p no:cacheprovider -rfE -q
