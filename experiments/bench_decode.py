@@ -84,8 +84,8 @@ SHAPE_NAMES = {"llama-3.2-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B", "
 VARIANTS: dict[str, dict[str, Any]] = {
     "research_lm eager": {"cuda_graphs": False},
     "research_lm CUDA graphs, synchronous steps": {"cuda_graphs": True, "async_scheduling": False},
-    "research_lm CUDA graphs": {"cuda_graphs": True},
-    "research_lm CUDA graphs, skinny_rows=4": {"cuda_graphs": True, "skinny_rows": 4},  # issue 31's fused GEMVs
+    "research_lm CUDA graphs": {"cuda_graphs": True},  # (batch 1: the skinny GEMVs, skinny_rows=1 by default)
+    "research_lm CUDA graphs, per-op (skinny_rows=0)": {"cuda_graphs": True, "skinny_rows": 0},  # cuBLAS: issue 31's A/B
     "research_lm compiled + CUDA graphs": {"cuda_graphs": True, "compile": True},
     "research_lm CUDA graphs batch-invariant": {"cuda_graphs": True, "batch_invariant": True},  # issue 35's cost
 }

@@ -187,7 +187,7 @@ print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
 PY
     ;;
-  tree_host)  # issue 29: the tree16 step's host time by Python function (cProfile; the torch profile above showed
+  tree_cprofile)  # issue 29: the tree16 step's host time by Python function (cProfile; the torch profile above showed
               # 5.6 ms of host against 1.2 ms of GPU per step), beside the chain's, the built-in pair at batch 1
     python - <<'PY'
 import cProfile, pstats, time

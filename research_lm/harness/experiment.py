@@ -206,7 +206,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         eplb_config=OmegaConf.to_container(cfg.eplb, resolve=True) if "eplb" in cfg else None,
         cuda_graphs=r.get("cuda_graphs", True), cuda_graph_sizes=_list_or_none(r.get("cuda_graph_sizes")),
         prefill_graph_sizes=_list_or_none(r.get("prefill_graph_sizes")),
-        fused_ops=r.get("fused_ops", True), skinny_rows=r.get("skinny_rows", 0),
+        fused_ops=r.get("fused_ops", True), skinny_rows=r.get("skinny_rows", 1),
         batch_invariant=r.get("batch_invariant", False),
         compile=r.get("compile", False),
         async_scheduling=r.get("async_scheduling"), separate_prefills=r.get("separate_prefills"),

@@ -143,10 +143,10 @@ def test_greedy_tokens_with_skinny_layers_equal_the_per_op_path(kernels_on_cpu, 
     assert outs[SKINNY_MAX_ROWS] == outs[0]
 
 
-def test_skinny_rows_is_checked_and_defaults_to_off():
+def test_skinny_rows_is_checked_and_defaults_to_batch_1_decode():
     from research_lm.api.config import EngineConfig
 
-    assert EngineConfig().skinny_rows == 0
+    assert EngineConfig().skinny_rows == 1
     with pytest.raises(ValueError, match=r"skinny_rows must be in \[0, 4\]"):
         EngineConfig(skinny_rows=SKINNY_MAX_ROWS + 1)
 
