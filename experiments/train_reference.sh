@@ -26,6 +26,10 @@ HEADS="train.target=$OUT/target train.warmup_steps=50"
 GPUS=${GPUS:-1}
 SIDE_BY_SIDE=${SIDE_BY_SIDE:-0}
 [ "$GPUS" -gt 1 ] && SIDE_BY_SIDE=1
+# head i trains on the (i mod GPUS)-th of the GPUs this script may use: those CUDA_VISIBLE_DEVICES names, else 0, 1, ...
+# (session 29's heads ignored a lane's CUDA_VISIBLE_DEVICES=1 and trained on GPU 0 beside another lane's benchmarks)
+IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( GPUS - 1 )))}"
+NUM_VISIBLE=$(( ${#VISIBLE[@]} < GPUS ? ${#VISIBLE[@]} : GPUS ))
 i=0; pids=()
 # EAGLE-3 trains longest, on the target's own greedy continuations, 3 per corpus window (~2 min of generation
 # first), with training-time test over 5 steps and a 4096-wide MLP. On the 24-layer target: held-out acc 0.744
@@ -39,7 +43,7 @@ for head in "train_eagle3 eagle3 3500 train.head.ttt_steps=5 train.head.intermed
   preset=$1; dir=$2; steps=$3; shift 3
   set -- train.steps=$steps train.eval_every=$steps train.save_every=$steps "$@"
   if [ "$SIDE_BY_SIDE" = 1 ]; then
-    CUDA_VISIBLE_DEVICES=$(( i % GPUS )) python -m research_lm experiment=$preset $COMMON $HEADS \
+    CUDA_VISIBLE_DEVICES=${VISIBLE[$(( i % NUM_VISIBLE ))]} python -m research_lm experiment=$preset $COMMON $HEADS \
       train.output_dir=$OUT/$dir hydra.run.dir=$OUT/runs/$dir "$@" > $OUT/$dir.log 2>&1 &  # own run dir: they start together
     pids+=($!)
   else
