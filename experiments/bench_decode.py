@@ -86,6 +86,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "research_lm CUDA graphs, synchronous steps": {"cuda_graphs": True, "async_scheduling": False},
     "research_lm CUDA graphs": {"cuda_graphs": True},  # (batch 1: the skinny GEMVs, skinny_rows=1 by default)
     "research_lm CUDA graphs, per-op (skinny_rows=0)": {"cuda_graphs": True, "skinny_rows": 0},  # cuBLAS: the A/B
+    "research_lm CUDA graphs, skinny_rows=4": {"cuda_graphs": True, "skinny_rows": 4},  # the all-rows kernel
     "research_lm compiled + CUDA graphs": {"cuda_graphs": True, "compile": True},
     "research_lm CUDA graphs batch-invariant": {"cuda_graphs": True, "batch_invariant": True},  # issue 35's cost
 }

@@ -228,10 +228,11 @@ PY
     python -m research_lm -m $common seed=0,1,2 hydra.sweep.dir=multirun/replay_real
     grep -hE '"(mean_acceptance_length|speedup|tpot_ratio)"' multirun/replay/*/results.json multirun/replay_real/*/results.json ;;
   skinny)  # issue 31: the skinny kernels' tiles swept on this GPU (written where skinny_tiles reads them), their GPU
-           # tests, then bench_decode beside gpt-fast, with and without skinny_rows=4 (copy ../shared/peers to .peers/
-           # and carry it)
+           # tests, then bench_decode beside gpt-fast: the one-row kernel (the default), the per-op path and the
+           # all-rows kernel (skinny_rows=4) (copy ../shared/peers to .peers/ and carry it)
     (cd experiments && python bench_skinny_linear.py --sweep --tune ../research_lm/assets/tuned/skinny_linear.json \
-      --out ../outputs/skinny)
+      --out ../outputs/skinny && python bench_skinny_linear.py --rows-per-program 4 --sweep \
+      --tune ../research_lm/assets/tuned/skinny_linear.json --out ../outputs/skinny --name bench_skinny_rows)
     python -m pytest -m gpu tests/ops/test_skinny_linear.py tests/engine/test_async_scheduling.py -p no:cacheprovider \
       -rfE -q
     python -m experiments.paper bench_decode ;;

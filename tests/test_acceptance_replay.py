@@ -306,7 +306,7 @@ def test_a_shipped_profile_loads_by_name_and_an_unknown_one_lists_them():
     for method in ("eagle3", "medusa", "draft_model", "ngram"):  # the reference pair's, recorded on the GPU
         profile = load_profile(f"reference_{method}_k5")
         assert profile.num_speculative_tokens == 5 and len(profile.traces) == 8 and f"{method} k=5" in profile.source
-    assert abs(expected_tau(load_profile("reference_eagle3_k5")) - 4.658) < 1e-3  # spec_replay_validation_h200's tau
+    assert abs(expected_tau(load_profile("reference_eagle3_k5")) - 4.133) < 1e-3  # spec_replay_validation_h200's tau
 
 
 @pytest.mark.gpu

@@ -56,8 +56,8 @@ class EngineConfig:
     # Steps of up to this many tokens run Llama-family layers' projections as skinny GEMV kernels with the RMSNorm,
     # SwiGLU and residual add fused in (research_lm/ops/skinny_linear.py; CUDA, fused_ops on, whole weights, not
     # batch-invariant). Default 1, batch-1 decode: ahead of cuBLAS there on an H200
-    # (experiments/results/bench_decode.md); at 4 rows the kernels read each weight once per row and lose to it.
-    # 0: off; at most 4.
+    # (experiments/results/bench_decode.md); at 4 rows its kernel reads each weight once per row and loses to it.
+    # Above 1 (at most 4) all of a step's rows share one program, the weights read once, at every M. 0: off.
     skinny_rows: int = 1
     # On CUDA every kernel on the model path reduces each token's row in an order that depends neither on the
     # other rows of the step, nor on the query tokens per request, nor on how a context was split into steps:

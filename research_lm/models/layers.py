@@ -24,6 +24,7 @@ from torch import nn
 
 from research_lm.models.base import default_weight_loader, set_weight_loader
 from research_lm.ops import (
+    SKINNY_MAX_ROWS,
     apply_rotary,
     on_kernel_device,
     rms_norm_ref,
@@ -233,6 +234,7 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.batch_invariant = False
+        self.skinny_rows = 0  # EngineConfig.skinny_rows: above 1, `skinny` holds all of a step's rows in one program
 
     def _shard_ids(self) -> tuple | None:
         return None
@@ -258,13 +260,15 @@ class Linear(nn.Module):
         silu_mul: bool = False,  # a gate | up projection: return silu(gate) * up
     ) -> torch.Tensor:  # [M, output_size (/ 2 with silu_mul)]
         """This projection of a few rows with its neighbours in one kernel (`ops.skinny_linear`) on CUDA; the same
-        numbers from torch ops elsewhere. Whole weights only: the caller checks there is no tensor parallelism."""
+        numbers from torch ops elsewhere. Whole weights only: the caller checks there is no tensor parallelism.
+        skinny_rows 1 takes the one-row kernel, more the all-rows one, at every M: each sums in its own order."""
         kwargs = {"norm_weight": None if norm is None else norm.weight, "eps": 0.0 if norm is None else norm.eps,
                   "silu_mul": silu_mul, "residual": residual}
         if on_kernel_device(x):
             from research_lm.ops.skinny_linear import skinny_linear
 
-            return skinny_linear(x, self.weight, self.bias, **kwargs)
+            rows = 1 if self.skinny_rows <= 1 else SKINNY_MAX_ROWS
+            return skinny_linear(x, self.weight, self.bias, rows_per_program=rows, **kwargs)
         return skinny_linear_ref(x, self.weight, self.bias, **kwargs)
 
 

@@ -12,7 +12,8 @@ down + residual; the rotary embedding rides in the KV write).
 Numbers: every value torch would round (the normed row, the GEMM output, silu's output, the residual sum) is
 rounded to the activation dtype in the same place, so the only difference from the per-op path
 (`skinny_linear_ref`) is the fp32 summation order of the dot products. Each program computes one row in an
-order that depends on neither M nor the other rows.
+order that depends on neither M nor the other rows; or, with `rows_per_program` = SKINNY_MAX_ROWS, every row of
+the step (the weights read once), each row again reduced by code that does not depend on M.
 """
 
 from __future__ import annotations
@@ -102,6 +103,79 @@ def _skinny_linear_kernel(
     tl.store(out_ptr + out, y, mask=col_ok)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _skinny_rows_kernel(
+    x_ptr,  # [M, K], row stride x_stride
+    w_ptr,  # [N or 2N, K] contiguous: with SILU_MUL the gate rows, then the up rows
+    bias_ptr,  # [N or 2N]; unused without HAS_BIAS
+    norm_ptr,  # [K]: the RMSNorm weight applied to x first; unused without NORM
+    res_ptr,  # [M, N] contiguous: added to the output; unused without RESIDUAL
+    out_ptr,  # [M, N] contiguous
+    M,
+    N,
+    K,
+    x_stride,
+    eps,
+    NORM: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,  # rows held (>= M): rows M .. ROWS - 1 are zeros, never stored
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Every row of the step in one program, so each weight tile is read once for all of them (one row per program
+    # reads it M times, from L2: 1.48x cuBLAS at M = 4 on an H200). Row r of each [ROWS, ...] tensor depends on x's
+    # row r alone and is reduced by the same code whatever M is: a token's numbers do not depend on the step's
+    # other rows. Each K block is reduced to [ROWS, BLOCK_N] before the next (the one-row kernel reduces once at the
+    # end): a [ROWS, BLOCK_N, BLOCK_K] product must fit in registers.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < M
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride  # [ROWS, 1]
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * K  # [BLOCK_N, 1]
+    if NORM:  # each row's rms, recomputed by every program
+        squares = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+            squares += x * x
+        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)  # [ROWS]
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    if SILU_MUL:
+        acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if NORM:  # rms_norm_ref's roundings, as in the one-row kernel
+            g = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = round_to(round_to(x * rstd[:, None], dtype) * g[None, :], dtype)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if SILU_MUL:
+            w_up = tl.load(w_rows + N * K + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = round_to(y, dtype)
+    if SILU_MUL:
+        up = acc_up
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up = round_to(up, dtype)
+        y = round_to(round_to(y / (1.0 + tl.exp(-y)), dtype) * up, dtype)
+    out = rows[:, None].to(tl.int64) * N + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if RESIDUAL:
+        y = round_to(y + tl.load(res_ptr + out, mask=mask, other=0.0).to(tl.float32), dtype)
+    tl.store(out_ptr + out, y, mask=mask)
+
+
 class SkinnyTile(NamedTuple):
     block_n: int
     block_k: int
@@ -109,21 +183,23 @@ class SkinnyTile(NamedTuple):
 
 
 @functools.cache
-def tuned_tiles(device_name: str) -> dict[tuple[int, int], SkinnyTile]:
-    """(N, K) -> the tile measured fastest on this GPU model (16-bit weights); {} for a GPU never tuned."""
+def tuned_tiles(device_name: str) -> dict[tuple[int, int, int], SkinnyTile]:
+    """(N, K, rows per program) -> the tile measured fastest on this GPU model (16-bit weights); {} for a GPU never
+    tuned. A key "NxK" is the one-row kernel's, "NxKxR" the R-row kernel's."""
     shapes = tuned_entries(TUNED_TILES, device_name)
-    return {tuple(map(int, key.split("x"))): SkinnyTile(*entry["tile"]) for key, entry in shapes.items()}
+    return {(*map(int, key.split("x")), 1)[:3]: SkinnyTile(*entry["tile"]) for key, entry in shapes.items()}
 
 
-def skinny_tiles(n: int, k: int, device_name: str | None = None) -> SkinnyTile:
-    """The tuned tile for this GPU and shape, else: the whole of K (up to 2048) per load, as a warp-per-row GEMV
-    reads it, and few enough output columns per program that ~8K products stay in registers and N / BLOCK_N
-    programs fill the GPU several times over. Never a function of M: a row's numbers must not depend on it."""
+def skinny_tiles(n: int, k: int, device_name: str | None = None, rows_per_program: int = 1) -> SkinnyTile:
+    """The tuned tile for this GPU, shape and kernel, else: the whole of K (up to 2048) per load, as a warp-per-row
+    GEMV reads it, and few enough output columns per program that ~8K products stay in registers and N / BLOCK_N
+    programs fill the GPU several times over (the R-row kernel: 8K products over its R rows, K blocks of at most
+    256). Never a function of M: a row's numbers must not depend on it."""
     tuned = tuned_tiles(device_name) if device_name is not None else {}
-    if (n, k) in tuned:
-        return tuned[(n, k)]
-    block_k = min(next_power_of_2(k), 2048)
-    return SkinnyTile(min(max(8192 // block_k, 1), next_power_of_2(n)), block_k)
+    if (n, k, rows_per_program) in tuned:
+        return tuned[(n, k, rows_per_program)]
+    block_k = min(next_power_of_2(k), 2048 if rows_per_program == 1 else 256)
+    return SkinnyTile(min(max(8192 // (block_k * rows_per_program), 1), next_power_of_2(n)), block_k)
 
 
 
@@ -137,10 +213,13 @@ def skinny_linear(
     silu_mul: bool = False,
     residual: torch.Tensor | None = None,  # [M, N]: added to the output
     tile: SkinnyTile | None = None,  # default: skinny_tiles' (the benchmark's sweep passes its candidates)
+    rows_per_program: int = 1,  # 1: a program per row and column block; SKINNY_MAX_ROWS: all rows in one program
 ) -> torch.Tensor:  # [M, N], x's dtype
-    """`skinny_linear_ref` in one kernel."""
+    """`skinny_linear_ref` in one kernel. The two kernels round the same values but sum each dot product in another
+    order, so a run keeps one of them for every M (`Linear.skinny`)."""
     m, k = x.shape
     assert 1 <= m <= SKINNY_MAX_ROWS and x.stride(1) == 1, (x.shape, x.stride())
+    assert rows_per_program in (1, SKINNY_MAX_ROWS), rows_per_program
     assert weight.shape[1] == k and weight.is_contiguous() and weight.dtype == x.dtype, (weight.shape, weight.dtype)
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
@@ -149,11 +228,13 @@ def skinny_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if tile is None:
         tuned = x.device.type == "cuda" and x.dtype.itemsize == 2
-        tile = skinny_tiles(n, k, gpu_model(x.device.index or 0) if tuned else None)
-    _skinny_linear_kernel[(triton.cdiv(n, tile.block_n) * m,)](
-        x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
-        x if residual is None else residual, out, m, n, k, x.stride(0), eps,
-        NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-    )
+        tile = skinny_tiles(n, k, gpu_model(x.device.index or 0) if tuned else None, rows_per_program)
+    args = (x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
+            x if residual is None else residual, out, m, n, k, x.stride(0), eps)
+    flags = dict(NORM=norm_weight is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+                 RESIDUAL=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps)
+    if rows_per_program == 1:
+        _skinny_linear_kernel[(triton.cdiv(n, tile.block_n) * m,)](*args, **flags)
+    else:
+        _skinny_rows_kernel[(triton.cdiv(n, tile.block_n),)](*args, ROWS=rows_per_program, **flags)
     return out
