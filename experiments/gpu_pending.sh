@@ -100,6 +100,14 @@
 # at its end (now every minute too). Before a device session: `python -m tests.compile_for_gpu` (~15 min on the
 # 2-core CPU: compiles every kernel the CPU tests launch for sm_90). Next, in order: `tests`, `skinny`, the reference
 # training, spec_replay_validation (issue 30), bench_decode's table, then the rest of session 27's list above.
+# Session 29 (2 x H200 for an h100-x2 request, 7024cea; PERFORMANCE.md twenty-eighth pass) ran the GPU tests of
+# tests/ops, test_acceptance_replay, test_async_scheduling and test_cuda_graphs (22 passed), `skinny` (the sweep, its
+# tests, bench_decode: the one-row skinny kernel 1.122 ms beside gpt-fast's 1.259, now the default skinny_rows=1),
+# the reference training, spec_replay_validation_h200 (within noise), spec_transfer_ngram_8b_h200, `tree_host`, and
+# 63 of spec_tree_h200's 108 jobs (its 600 s ran out). CPU-tested only since: the all-rows skinny kernel
+# (skinny_rows > 1). Next, on an H100 first (issue 31 needs both kinds; issue 30's anchor is an H100's): `skinny`
+# (both kernels), bench_decode_h100, spec_transfer_8b_h100; then `tree_cprofile`, spec_tree_h200 with its own 20
+# minutes, `tests` in full, bi_gap, spec_suffix_h200, spec_mtp_h200.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo

@@ -167,8 +167,8 @@ def test_verify_graphs_with_drafting_behind_them_replay_as_eager_steps(profile, 
     monkeypatch.setattr(AcceptanceReplay, "accept_greedily", lambda *a: in_graph.append(1) or accept(*a))
     knobs = dict(block_size=4, max_num_batched_tokens=16, num_gpu_blocks=60, max_model_len=64,
                  attention_backend="triton", enable_prefix_caching=False)
-    prompts, params = PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, seed=3)
-    eager, eager_steps = _run(EAGLE3, profile, prompts=prompts, max_tokens=24, **knobs)
+    prompts, params = PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, seed=3)
+    eager, eager_steps = _run(EAGLE3, profile, prompts=prompts, max_tokens=16, **knobs)
     llm = LLM("tiny-llama", **(KNOBS | knobs), speculative_config=EAGLE3, acceptance_replay=profile,
               async_scheduling=True)
     assert llm.engine.runner.capture_cuda_graphs([1, 2, 4], prefill_sizes=[], capture=eager_capture) is None
@@ -188,7 +188,7 @@ def test_echo_keeps_ngram_drafting_on_a_periodic_prompt(graphs, monkeypatch):
     """A random block of P ids repeated: with acceptance_replay_echo=P the text keeps repeating the block, so ngram
     drafts k tokens in every verify step whatever the replay kept; without echo the target's own tokens break the
     repeats. Through verify graphs with async launch too (the kernel's path reads the token table)."""
-    P, n_out = 8, 24 if graphs else 48  # (the interpreted kernels are slow)
+    P, n_out = 8, 16 if graphs else 48  # (the interpreted kernels are slow)
     block = torch.randint(10, 1000, (P,), generator=torch.Generator().manual_seed(0)).tolist()
     prompts = [block * 4, block[3:] + block * 3]
     in_graph = []

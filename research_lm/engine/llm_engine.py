@@ -338,7 +338,9 @@ class LLMEngine:
         if self.spec_policy.measures and scheduled and all(s.num_new_tokens == s.num_spec_tokens + 1
                                                            for s in scheduled):  # decoding alone
             arm = collecting.sched.verify_cap if collecting.verifies else 0
-            self.spec_policy.record(len(scheduled), arm, sum(map(len, out.sampled_token_ids)), seconds)
+            drafting = (out.draft_ms or 0.0) / 1e3  # (for the next step, under this step's cap)
+            self.spec_policy.record(len(scheduled), arm, sum(map(len, out.sampled_token_ids)), seconds - drafting)
+            self.spec_policy.charge(len(scheduled), collecting.sched.max_drafts, drafting)
         return finished
 
     def _can_launch_ahead(self, step: PendingStep) -> bool:

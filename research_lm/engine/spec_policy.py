@@ -13,7 +13,11 @@ uniform count over 1 .. arm + 1 per request, so that a few unlucky early steps n
 seconds per step; the highest wins. Every step discounts all of the bucket's sums (`decay`), so an arm not chosen
 for a while grows uncertain and is drawn again: a change of acceptance (another part of the workload) is seen. A cap
 bounds what is verified, not what is drafted: a drafter still drafts its k (its graphs are captured for k), except
-under arm 0. Why sampling rather than a moving average of each step's rate: after a run of unlucky steps of the best
+under arm 0. A step's time splits by arm: its drafting (for the next step, under the cap chosen now) is charged to
+that cap's arm, the rest to the arm it verified under. Charged whole to the verified arm, a step of arm 0 followed by
+drafting carried a drafting it did not use; where drafting is dear (a 16-node tree's eager levels) arm 0 then looked
+slower than plain decoding is, and the policy never settled on it (a tree16 run stayed at 0.36x plain). Why
+sampling rather than a moving average of each step's rate: after a run of unlucky steps of the best
 arm the average locked onto a worse one (experiments/sim_spec_policy.py measures both against the best fixed arm).
 """
 
@@ -44,7 +48,11 @@ class SpeculationPolicy:
 
     def record(self, batch_size: int, arm: int, num_tokens: int, seconds: float) -> None:
         """A collected decode step: its batch, the cap its verification ran under (0: it verified no drafts; k: all),
-        the tokens it emitted and its wall time."""
+        the tokens it emitted and its wall time, less the time it spent drafting (`charge`)."""
+        return None
+
+    def charge(self, batch_size: int, arm: int | None, seconds: float) -> None:
+        """Time a step spent drafting under the cap `arm` (None: all k) for the next step: that arm's cost."""
         return None
 
 
@@ -86,6 +94,12 @@ class AdaptivePolicy(SpeculationPolicy):
         sums = b.sums.setdefault(arm, [0.0, 0.0, 0.0, 0.0])
         sums[:] = [sums[0] + 1, sums[1] + num_tokens, sums[2] + num_tokens**2, sums[3] + seconds]
         b.steps[arm] = b.steps.get(arm, 0) + 1
+
+    def charge(self, batch_size: int, arm: int | None, seconds: float) -> None:
+        b = self.buckets.get(self.bucket(batch_size))
+        arm = self.arms[-1] if arm is None else min((a for a in self.arms if a >= arm), default=self.arms[-1])
+        if b is not None and arm in b.sums and seconds > 0:  # (an arm not yet measured starts with its first step)
+            b.sums[arm][3] += seconds
 
     def rate(self, batch_size: int, arm: int) -> float:
         """The measured tokens per second of an arm in this batch's bucket (discounted means)."""

@@ -84,6 +84,28 @@ def test_engine_with_adaptive_policy_keeps_greedy_outputs(tiny_checkpoint):
     assert all(sum(b.steps.get(a, 0) for b in policy.buckets.values()) > 0 for a in policy.arms)
 
 
+def test_dear_drafting_is_charged_to_the_arm_that_drafts_so_the_policy_settles_on_plain_decoding(monkeypatch):
+    """A drafter made slow (30 ms a call against a ~3 ms plain step on this CPU): no cap pays, and the policy must
+    find that arm 0 does. Its drafting time is charged to the cap it drafts under; charged to the step that verified
+    under arm 0 instead (the step drafts for the next one), arm 0 carried the drafting and never looked fastest."""
+    import time
+
+    llm = LLM("tiny-llama", device="cpu", dtype="float32", max_num_seqs=1, max_model_len=160,
+              speculative_config={"method": "eagle3", "model": "tiny-llama-eagle3", "num_speculative_tokens": 3,
+                                  "speculation_policy": "adaptive"})
+    proposer, policy = llm.engine.runner.proposer, llm.engine.spec_policy
+    for name in ("propose", "propose_on_device"):
+        real = getattr(proposer, name)
+        monkeypatch.setattr(proposer, name, lambda *a, _real=real: time.sleep(0.03) or _real(*a))
+    decisions = []
+    choose = policy.choose
+    policy.choose = lambda batch: decisions.append(choose(batch)) or decisions[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    llm.generate(["def add(a, b):\n"], params, use_tqdm=False)
+    after_warmup = decisions[len(policy.arms) * policy.warmup:]
+    assert after_warmup.count(0) >= 0.7 * len(after_warmup), decisions
+
+
 def test_a_policy_that_never_drafts_verifies_nothing(tiny_checkpoint):
     path = str(tiny_checkpoint("llama"))
     knobs = dict(dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64)

@@ -21,7 +21,7 @@ from tests.spec_decode.test_eagle_tree import BRANCHING, SHIPPED, TEXTS
 KNOBS = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
              attention_backend="triton", enable_prefix_caching=False, cuda_graphs=False)
 # different lengths: the batch shrinks 4 -> 3 (padded to 4) -> 2 -> 1
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 12, 16, 20)]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 8, 10, 12)]
 
 
 TREES = {"static": {"speculative_token_tree": BRANCHING},
