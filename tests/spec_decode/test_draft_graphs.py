@@ -595,7 +595,7 @@ def test_drafts_gathers_graph_rows_on_the_device(device):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant; the GPU test covers CUDA")
-@pytest.mark.parametrize("kind, blocks", [("eagle3", 40), ("eagle", 40), ("eagle3", 16)])
+@pytest.mark.parametrize("kind, blocks", [("eagle", 40), ("eagle3", 16)])  # (EAGLE-3 with room too: 46 s of CI)
 def test_async_scheduling_launches_the_next_verify_step_before_verifying(kind, blocks, tiny_checkpoint, tmp_path):
     """Async scheduling with verify graphs and drafting behind them: a verify step verifies and drafts on the device,
     and the engine launches the next verify step before it collects this one, while the host's counts still assume
