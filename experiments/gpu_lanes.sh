@@ -21,7 +21,8 @@ case ${1:-} in
       i=$((i + 1))
     done
     sleep 20; cat $L/stages 2>/dev/null; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv 2>/dev/null ;;
-  lane)  # (internal) lane $2's lines in order
+  lane)  # (internal) lane $2's lines in order; a lane started again forgets its old "done" (poll counts them)
+    sed -i "/ lane $2 done$/d" $L/stages 2>/dev/null
     cd /tmp/tree && n=0
     while IFS= read -r line; do
       case "$line" in ''|'#'*) continue ;; esac
