@@ -88,7 +88,7 @@ class AdaptivePolicy(SpeculationPolicy):
         if seconds <= 0 or num_tokens <= 0:
             return
         b = self.buckets.setdefault(self.bucket(batch_size), _Bucket())
-        arm = min((a for a in self.arms if a >= arm), default=self.arms[-1])  # a shorter step counts as its arm
+        arm = self._arm_of(arm)
         for sums in b.sums.values():  # every arm's measurements age, so an arm left alone grows uncertain again
             sums[:] = [x * (1.0 - self.decay) for x in sums]
         sums = b.sums.setdefault(arm, [0.0, 0.0, 0.0, 0.0])
@@ -97,9 +97,13 @@ class AdaptivePolicy(SpeculationPolicy):
 
     def charge(self, batch_size: int, arm: int | None, seconds: float) -> None:
         b = self.buckets.get(self.bucket(batch_size))
-        arm = self.arms[-1] if arm is None else min((a for a in self.arms if a >= arm), default=self.arms[-1])
+        arm = self._arm_of(arm)
         if b is not None and arm in b.sums and seconds > 0:  # (an arm not yet measured starts with its first step)
             b.sums[arm][3] += seconds
+
+    def _arm_of(self, cap: int | None) -> int:
+        """The arm a cap counts as: the smallest arm at least as large (a shorter step counts as its arm); None: k."""
+        return self.arms[-1] if cap is None else min((a for a in self.arms if a >= cap), default=self.arms[-1])
 
     def rate(self, batch_size: int, arm: int) -> float:
         """The measured tokens per second of an arm in this batch's bucket (discounted means)."""
