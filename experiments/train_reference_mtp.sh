@@ -40,11 +40,14 @@ python -m research_lm experiment=train_moe $COMMON train.architecture=DeepseekV2
 HEADS="train.target=$OUT/target train.warmup_steps=50 train.steps=$HEAD_STEPS train.eval_every=$HEAD_STEPS \
   train.save_every=$HEAD_STEPS $COPIES"
 GPUS=${GPUS:-1}
+# head i on the (i mod GPUS)-th of the GPUs CUDA_VISIBLE_DEVICES names (else 0, 1, ...): a lane's GPU, not GPU 0
+IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( GPUS - 1 )))}"
+NUM_VISIBLE=$(( ${#VISIBLE[@]} < GPUS ? ${#VISIBLE[@]} : GPUS ))
 i=0; pids=()
 for head in "train_mtp mtp" "train_eagle3 eagle3 train.head.ttt_steps=5 $EAGLE3_SIZE"; do
   set -- $head
   preset=$1; dir=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$(( i % GPUS )) python -m research_lm experiment=$preset $COMMON $HEADS \
+  CUDA_VISIBLE_DEVICES=${VISIBLE[$(( i % NUM_VISIBLE ))]} python -m research_lm experiment=$preset $COMMON $HEADS \
     train.output_dir=$OUT/$dir hydra.run.dir=$OUT/runs/$dir "$@" > $OUT/$dir.log 2>&1 &
   pids+=($!)
   i=$(( i + 1 ))

@@ -593,6 +593,10 @@ TABLES["spec_transfer_ngram_8b_h200"] = replace(TABLES["spec_transfer_ngram_8b_h
 # `METHODS=eagle3 bash experiments/record_reference_profiles.sh`, so the trace replayed is the run measured).
 TABLES["spec_replay_validation_h100"] = replace(TABLES["spec_replay_validation_h200"], measured_on="NVIDIA H100")
 
+# issue 36's tables wherever the device session gets H100s (the references train on the GPU that measures them).
+TABLES["spec_suffix_h100"] = replace(TABLES["spec_suffix_h200"], measured_on="NVIDIA H100")
+TABLES["spec_mtp_h100"] = replace(TABLES["spec_mtp_h200"], measured_on="NVIDIA H100")
+
 
 def cuda_available() -> bool:
     import torch
