@@ -191,14 +191,16 @@ TreeShape = TokenTree | OwnTrees
 
 def tree_tables(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(depths, bits) [n, N + 1] int64 of trees given by parents [n, N + 1] int64 (parents[:, j] < j; column 0 -1),
-    by one gather per node."""
-    depths = torch.zeros_like(parents)
-    bits = torch.ones_like(parents)
-    for j in range(1, parents.shape[1]):
-        parent = parents[:, j : j + 1]
-        depths[:, j] = depths.gather(1, parent).squeeze(1) + 1
-        bits[:, j] = bits.gather(1, parent).squeeze(1) | 1 << j
-    return depths, bits
+    by pointer jumping: a handful of ops per doubling of the depth, not per node (each an eager launch)."""
+    width = parents.shape[1]
+    up = parents.clamp(min=0)  # the root points at itself
+    depths = (parents >= 0).long()  # the edges from each node up to `up`
+    bits = 1 << torch.arange(width, device=parents.device).expand_as(parents)  # the nodes from each up to `up`, excl.
+    for _ in range((width - 1).bit_length()):  # 2^rounds >= the deepest path: every `up` reaches the root
+        depths = depths + depths.gather(1, up)
+        bits = bits | bits.gather(1, up)
+        up = up.gather(1, up)
+    return depths, bits | 1
 
 
 class DeviceTree:
@@ -211,11 +213,13 @@ class DeviceTree:
         self.parents = torch.tensor(tree.parents, dtype=torch.int64, device=device).repeat(num_rows, 1)  # [rows, N+1]
         self.depths = torch.tensor(tree.depths, dtype=torch.int64, device=device).repeat(num_rows, 1)
         self.bits = torch.tensor(tree.bits, dtype=torch.int64, device=device).repeat(num_rows, 1)
+        self.shifts, self.masks = _step_tables(self.depths, self.bits)  # [rows, N + 2] each
 
     def set_rows(self, rows: torch.Tensor, parents: torch.Tensor) -> None:
         """Rows [n] int64 take the trees parents [n, N + 1] int64 (their next verify step's)."""
         depths, bits = tree_tables(parents)
         self.parents[rows], self.depths[rows], self.bits[rows] = parents, depths, bits
+        self.shifts[rows], self.masks[rows] = _step_tables(depths, bits)
 
     def of_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(parents, depths, ancestor masks) [n, N + 1] of rows [n]: what verification reads."""
@@ -227,28 +231,25 @@ class DeviceTree:
         (tree_bits, -1 = causal for every other token). A draft sits at a row's token index num_tokens - 1 + j (j >=
         1: node j) in the step, so this reads only device tables: right ahead of an unverified step too.
         positions [>= T] int64, tree_bits [>= T] int64, num_tokens [R] int32 (the token table's counts)."""
-        t, n = common.num_tokens, common.num_reqs
+        t = common.num_tokens
         pos = positions[:t]
-        req = torch.searchsorted(common.query_start_loc[1:].long(), torch.arange(t, device=pos.device), right=True)
-        row = common.request_rows[req.clamp(max=n - 1)].long()
-        real_row = row.clamp(min=0)
-        root = num_tokens[real_row].long() - 1
-        node = pos - root
-        is_draft = (row >= 0) & (node >= 1) & (node <= self.num_drafts)
-        node = node.clamp(0, self.num_drafts)
-        pos.copy_(torch.where(is_draft, root + self.depths[real_row, node], pos))
-        tree_bits[:t] = torch.where(is_draft, self.bits[real_row, node], -1)
+        token = torch.arange(t, dtype=torch.int32, device=pos.device)
+        row = common.request_rows[torch.searchsorted(common.query_start_loc[1:], token, right=True)]
+        col = (pos - num_tokens[row]).clamp_(-1, self.num_drafts)  # node - 1; columns -1 and N: no draft
+        pos.add_(self.shifts[row, col])
+        tree_bits[:t] = self.masks[row, col]
 
     @staticmethod
-    def moves(path: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def moves(path: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What moves each request's accepted path to a chain's rows: row first + j takes row first + path[j].
-        path [n, m] int64 (-1 after the path), first [n] int64 -> (moves, src, dst), each [n * m]. Fixed shapes, no
-        mask (a host sync): an entry off the path copies its row onto itself, and no row is both a moved one's
-        destination and another's (depth j's row takes only the path's node of depth j)."""
+        path [n, m] int64 (-1 after the path), first [n] int64 -> (src, dst), each [n * m]. Fixed shapes, no mask (a
+        host sync): an entry off the path copies the root onto itself, one on it that stays (path[j] = j) copies its
+        row onto itself, and no row is both a moved one's destination and another's (depth j's row takes only the
+        path's node of depth j, whose index is >= j)."""
+        node = path.clamp(min=0)
         j = torch.arange(path.shape[1], device=path.device)
-        src = (first[:, None] + path.clamp(min=0)).view(-1)
-        moves = ((path >= 0) & (path != j)).view(-1)
-        return moves, src, torch.where(moves, (first[:, None] + j).view(-1), src)
+        rows = first[:, None] + torch.stack([node, torch.minimum(node, j)])  # [2, n, m]
+        return rows.view(2, -1).unbind()
 
 
 class TreeSteps:
@@ -286,16 +287,24 @@ class TreeSteps:
         slot_mapping = inputs.common.slot_mapping
         logits = logits if batch is not None and batch.max_num_logprobs is not None else None
         d = drafts[sampling]
-        first = np.concatenate([qsl[1:][sampling] - d - 1, np.cumsum(d + 1) - d - 1])
+        first = qsl[1:][sampling] - d - 1
+        if logits is not None:
+            first = np.concatenate([first, np.cumsum(d + 1) - d - 1])
         first = to_device(torch.from_numpy(first), torch.int64, path.device)
-        token_first, logits_first = first[: len(d)], first[len(d):]
-        moves, src, dst = self.tree.moves(path, token_first)
+        src, dst = self.tree.moves(path, first[: len(d)])
         for x in hidden:
             x.index_copy_(0, dst, x[src])
         if logits is not None:
-            _, lsrc, ldst = self.tree.moves(path, logits_first)
+            lsrc, ldst = self.tree.moves(path, first[len(d) :])
             logits.index_copy_(0, ldst, logits[lsrc])
-        src_slots = slot_mapping[src]  # (every row on a path, or the root: real tokens, with slots)
-        dst_slots = torch.where(moves, slot_mapping[dst], src_slots)  # off the path: the root onto itself
+        src_slots, dst_slots = slot_mapping[src], slot_mapping[dst]  # rows on a path or roots: real tokens, with slots
         for layer in self.target_layers:
             layer.backend.move_slots(layer.kv_cache, src_slots, dst_slots)
+
+
+def _step_tables(depths: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `write_step_inputs` reads at column node - 1 of a row: (depth - node, the node's mask) for a draft node;
+    columns N and N + 1 (-1), for every other token, (0, -1 = causal). depths, bits [n, N + 1] -> [n, N + 2] each."""
+    nodes = torch.arange(1, depths.shape[1], device=depths.device)
+    pad = torch.nn.functional.pad
+    return pad(depths[:, 1:] - nodes, (0, 2)), pad(bits[:, 1:], (0, 2), value=-1)

@@ -42,9 +42,10 @@ the token plain sampling draws, and with the RECOVER stream after a rejection. A
 is tried at most once, so all the draws are independent.
 
 Everything runs on the device without a host sync (capturable in a CUDA graph) once `max_depth` is given: the
-Python loops run over node indices, depths and path steps, never over data. One pass over the nodes in index order
-applies the rule: node j is tried iff it is real and its parent is the current node, since an accepted node's
-children come after it and its later siblings then no longer hang off the current node.
+Python loops run over node indices, never over data (the greedy rule and the path: a fixed handful of ops). One
+pass over the nodes in index order applies the probabilistic rule: node j is tried iff it is real and its parent is
+the current node, since an accepted node's children come after it and its later siblings then no longer hang off
+the current node.
 
 Outputs follow `research_lm.worker.rejection_sampler`: emitted [n, D + 1] int64 (the path's drafts, then the final
 token, -1 after), num_emitted [n] int32, path [n, D + 1] int64 (root, then each accepted node, -1 after).
@@ -74,6 +75,15 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:  # [n, N + 1] int64 -> [
     return tree_tables(parents)[0]
 
 
+def _tables(parents: torch.Tensor, depths: torch.Tensor | None,
+            bits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # [n, N + 1] each
+    """The trees' depths and ancestor masks: as given (a static tree's [N + 1] expand), else from parents."""
+    if depths is None or bits is None:
+        return tree_tables(parents)
+    n, width = parents.shape
+    return depths.expand(n, width), bits.expand(n, width)
+
+
 def accept_tree_greedily(
     node_tokens: torch.Tensor,  # [n, N + 1] int64, column 0 (the root's token) unused
     parents: torch.Tensor,  # [n, N + 1] or [N + 1] (a static tree) int64
@@ -85,14 +95,13 @@ def accept_tree_greedily(
     bits: torch.Tensor | None = None,  # [N + 1] or [n, N + 1] int64: each node's ancestors and itself, bit j node j
 ) -> TreeOutputs:  # emitted [n, D + 1] int64, num_emitted [n] int32, path [n, D + 1] int64
     """Accept the nodes whose token is their parent's argmax (and whose parent is accepted); emit the path to the
-    deepest accepted node (ties: the lowest index), then that node's argmax. With the ancestor masks `bits` (the
-    runner's `DeviceTree` keeps them) both take a fixed handful of ops; without, a few per depth."""
+    deepest accepted node (ties: the lowest index), then that node's argmax. Without both depths and the ancestor
+    masks `bits` (the runner's `DeviceTree` keeps them) they are computed from parents."""
     n, width = node_tokens.shape
     parents = parents.expand(n, width)
-    depths = tree_depths(parents) if depths is None else depths.expand(n, width)
-    depth = _max_depth(depths, max_depth)
+    depths, bits = _tables(parents, depths, bits)
     real = _real_nodes(num_real, n, width, node_tokens.device)
-    return _greedy(node_tokens, parents, depths, target, real, depth, None if bits is None else bits.expand(n, width))
+    return _greedy(node_tokens, parents, depths, bits, target, real, _max_depth(depths, max_depth))
 
 
 def tree_rejection_sample(
@@ -106,6 +115,7 @@ def tree_rejection_sample(
     *,
     max_depth: int | None = None,  # >= the tree's depth, the outputs' D; None: read from parents (a host sync)
     depths: torch.Tensor | None = None,  # [N + 1] or [n, N + 1]: each node's depth, where known (a static tree)
+    bits: torch.Tensor | None = None,  # [N + 1] or [n, N + 1] int64: each node's ancestors and itself, bit j node j
 ) -> TreeOutputs:  # emitted [n, D + 1] int64, num_emitted [n] int32, path [n, D + 1] int64
     """Walk each request's tree by the multi-draft rule of the module docstring; greedy rows take the argmax rule.
 
@@ -113,17 +123,17 @@ def tree_rejection_sample(
     n, width, _ = target_probs.shape
     device = target_probs.device
     parents = parents.expand(n, width)
-    depths = tree_depths(parents) if depths is None else depths.expand(n, width)
+    depths, bits = _tables(parents, depths, bits)
     depth = _max_depth(depths, max_depth)
     real = _real_nodes(num_real, n, width, device)
     host_known = not isinstance(greedy, torch.Tensor)
     if host_known and all(greedy):
-        return _greedy(node_tokens, parents, depths, target_probs.argmax(-1), real, depth)
-    sampled = _sample(node_tokens, parents, depths, target_probs, real, _int64_on(seeds, device),
+        return _greedy(node_tokens, parents, depths, bits, target_probs.argmax(-1), real, depth)
+    sampled = _sample(node_tokens, parents, depths, bits, target_probs, real, _int64_on(seeds, device),
                       _int64_on(positions, device), depth)
     if host_known and not any(greedy):
         return sampled
-    by_argmax = _greedy(node_tokens, parents, depths, target_probs.argmax(-1), real, depth)
+    by_argmax = _greedy(node_tokens, parents, depths, bits, target_probs.argmax(-1), real, depth)
     greedy_t = rng.to_device(greedy, torch.bool, device)
     return tuple(torch.where(greedy_t.view(-1, *[1] * (a.dim() - 1)), a, b) for a, b in zip(by_argmax, sampled))
 
@@ -136,11 +146,10 @@ def _max_depth(depths: torch.Tensor, max_depth: int | None) -> int:
 
 def _real_nodes(
     num_real: torch.Tensor | Sequence[int] | None, n: int, width: int, device: torch.device
-) -> torch.Tensor:  # [n, N + 1] bool: node j <= num_real[i] (the root always)
+) -> torch.Tensor:  # [n, N + 1] bool: node j <= num_real[i] (the root's entry: unused)
     if num_real is None:
         return torch.ones(n, width, dtype=torch.bool, device=device)
-    limit = rng.to_device(num_real, torch.int64, device).clamp(min=0)
-    return torch.arange(width, device=device) <= limit[:, None]
+    return torch.arange(width, device=device) <= rng.to_device(num_real, torch.int64, device)[:, None]
 
 
 def _int64_on(values: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:  # [n] int64
@@ -153,34 +162,27 @@ def _greedy(
     node_tokens: torch.Tensor,  # [n, N + 1] int64
     parents: torch.Tensor,  # [n, N + 1] int64
     depths: torch.Tensor,  # [n, N + 1] int64
+    bits: torch.Tensor,  # [n, N + 1] int64 ancestor masks
     target: torch.Tensor,  # [n, N + 1] int64 argmax of each row
     real: torch.Tensor,  # [n, N + 1] bool
     max_depth: int,
-    bits: torch.Tensor | None = None,  # [n, N + 1] int64 ancestor masks, or None
 ) -> TreeOutputs:
-    # A node is accepted iff it and every ancestor pass (the root: real; a draft: real and its parent's argmax).
-    # Vectorized over nodes (a tree step's ops run eagerly, each a launch on the GPU): with the ancestor masks, a node
-    # is accepted iff its mask lies within the passing nodes' mask; without, one step up the tree per depth.
-    up = parents.clamp(min=0)
-    accepted = real & (node_tokens == target.gather(1, up))
-    accepted[:, 0] = real[:, 0]
-    if bits is not None:
-        passing = (accepted.long() << torch.arange(accepted.shape[1], device=bits.device)).sum(1, keepdim=True)
-        accepted = (bits & passing) == bits  # (distinct powers of 2: their sum is their OR)
-    else:
-        ok = accepted.clone()
-        for _ in range(max_depth):  # past the root the walk stays there
-            accepted &= ok.gather(1, up)
-            up = parents.gather(1, up).clamp_(min=0)
-    last = torch.where(accepted, depths, -1).argmax(1)  # the deepest; argmax returns the first (lowest) index
-    return _path_outputs(node_tokens, parents, depths, last, target.gather(1, last[:, None]).squeeze(1), max_depth,
-                         bits)
+    # A node is accepted iff it and every ancestor pass (the root: always; a draft: real and its parent's argmax),
+    # i.e. iff its mask lies within the passing nodes' mask. A fixed handful of ops, each a launch on the GPU (a tree
+    # step's ops run eagerly), whatever the tree's depth.
+    passes = real & (node_tokens == target.gather(1, parents.clamp(min=0)))
+    powers = 1 << torch.arange(passes.shape[1], device=passes.device)
+    passing = torch.where(passes, powers, 0).sum(1, keepdim=True) | 1  # (distinct powers of 2: their sum is their OR)
+    accepted = (bits & passing) == bits
+    last = torch.where(accepted, depths, -1).argmax(1, keepdim=True)  # the deepest; argmax: the first (lowest) index
+    return _path_outputs(node_tokens, depths, bits, last, target.gather(1, last), max_depth)
 
 
 def _sample(
     node_tokens: torch.Tensor,  # [n, N + 1] int64
     parents: torch.Tensor,  # [n, N + 1] int64
     depths: torch.Tensor,  # [n, N + 1] int64
+    bits: torch.Tensor,  # [n, N + 1] int64 ancestor masks
     target_probs: torch.Tensor,  # [n, N + 1, V] float
     real: torch.Tensor,  # [n, N + 1] bool
     seeds: torch.Tensor,  # [n] int64
@@ -219,7 +221,7 @@ def _sample(
     touched = cut.any(1)
     stream = torch.where(touched, rng.RECOVER, rng.SAMPLE)
     keys = rng.row_keys(seeds, positions + depths.gather(1, current[:, None]).squeeze(1), stream)
-    return _path_outputs(node_tokens, parents, depths, current, race(weights, keys), max_depth)
+    return _path_outputs(node_tokens, depths, bits, current[:, None], race(weights, keys)[:, None], max_depth)
 
 
 def _earlier_siblings(parents: torch.Tensor) -> torch.Tensor:  # [n, N + 1] -> [n, N + 1, N + 1] bool
@@ -250,30 +252,22 @@ def _acceptance_uniforms(
 
 def _path_outputs(
     node_tokens: torch.Tensor,  # [n, N + 1] int64
-    parents: torch.Tensor,  # [n, N + 1] int64
     depths: torch.Tensor,  # [n, N + 1] int64
-    last: torch.Tensor,  # [n] int64: the path's last node
-    final_token: torch.Tensor,  # [n] int64: the token emitted after it
+    bits: torch.Tensor,  # [n, N + 1] int64 ancestor masks
+    last: torch.Tensor,  # [n, 1] int64: the path's last node
+    final_token: torch.Tensor,  # [n, 1] int64: the token emitted after it
     max_depth: int,
-    bits: torch.Tensor | None = None,  # [n, N + 1] int64 ancestor masks, or None
 ) -> TreeOutputs:
-    """The root-to-`last` path (each of its nodes at its depth's column: from `last`'s ancestor mask, or by
-    max_depth + 1 steps up the tree), its drafts, then `final_token`."""
-    n = last.shape[0]
-    if bits is not None:
-        nodes = torch.arange(bits.shape[1], device=last.device)
-        on_path = ((bits.gather(1, last[:, None]) >> nodes) & 1).bool()  # [n, N + 1]
-        spare = max_depth + 1  # a column for the nodes off the path, dropped
-        path = torch.full((n, max_depth + 2), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=last.device)
-        path = path.scatter_(1, torch.where(on_path, depths, spare), nodes.expand(n, -1))[:, :spare]
-    else:
-        path = torch.full((n, max_depth + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=last.device)
-        node = last[:, None]
-        for _ in range(max_depth + 1):  # past the root the walk stays there, rewriting column 0
-            path.scatter_(1, depths.gather(1, node), node)
-            node = parents.gather(1, node).clamp_(min=0)
-    last_depth = depths.gather(1, last[:, None])  # [n, 1]
-    drafts = torch.nn.functional.pad(node_tokens.gather(1, path[:, 1:].clamp(min=0)), (0, 1))  # junk past the path
-    cols = torch.arange(max_depth + 1, device=last.device)
-    emitted = torch.where(cols < last_depth, drafts, PLACEHOLDER_TOKEN_ID).scatter_(1, last_depth, final_token[:, None])
-    return emitted, (last_depth.squeeze(1) + 1).to(torch.int32), path
+    """The root-to-`last` path (the nodes whose mask lies within `last`'s, each at its depth's column), its drafts,
+    then `final_token`: a scatter each, the nodes off the path into a spare last column, dropped."""
+    n, width = node_tokens.shape
+    column = torch.where((bits & bits.gather(1, last)) == bits, depths, max_depth + 2)  # [n, N + 1]
+    nodes = torch.arange(width, device=last.device).expand(n, width)
+    path = torch.full((n, max_depth + 3), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=last.device)
+    path = path.scatter_(1, column, nodes)[:, : max_depth + 1]
+    # the buffer's column d + 1 holds emitted token d: the drafts at their depths (the root's in column 0), then
+    # the final token after the last one
+    after = depths.gather(1, last) + 1  # [n, 1]
+    emitted = torch.full((n, max_depth + 3), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=last.device)
+    emitted = emitted.scatter_(1, column, node_tokens).scatter_(1, after, final_token)[:, 1 : max_depth + 2]
+    return emitted.contiguous(), after.squeeze(1).to(torch.int32), path  # (callers view emitted flat)

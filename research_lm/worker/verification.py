@@ -117,18 +117,18 @@ def _verify_tree(tree: RequestTrees, drafts: torch.Tensor, logits: torch.Tensor,
     its others unreal): greedy longest path, or the multi-draft rejection rule (worker/tree_verification.py)."""
     n, k = drafts.shape
     nodes = torch.cat([drafts.new_zeros(n, 1), drafts], dim=1)  # node 0, the root, is no draft
-    parents, depths = tree.parents[:, : k + 1], tree.depths[:, : k + 1]
+    parents, depths, bits = tree.parents[:, : k + 1], tree.depths[:, : k + 1], tree.bits[:, : k + 1]
     if batch is None or batch.plain_argmax:
         target = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
         target = (target if target_row is None else target[target_row]).view(n, k + 1)
         emitted, num_emitted, path = accept_tree_greedily(nodes, parents, target, num_real, max_depth=tree.max_depth,
-                                                          depths=depths, bits=tree.bits[:, : k + 1])
+                                                          depths=depths, bits=bits)
     else:
         probs = compute_probs(logits, batch)
         probs = (probs if target_row is None else probs[target_row]).view(n, k + 1, -1)
         emitted, num_emitted, path = tree_rejection_sample(
             nodes, parents, probs, [s.request.sampling_params.greedy for s in reqs], [s.request.seed for s in reqs],
-            [s.request.num_output_tokens for s in reqs], num_real, max_depth=tree.max_depth, depths=depths)
+            [s.request.num_output_tokens for s in reqs], num_real, max_depth=tree.max_depth, depths=depths, bits=bits)
     return emitted, num_emitted.to(torch.int32), num_real, path
 
 
