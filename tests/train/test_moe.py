@@ -112,6 +112,20 @@ def test_objective_is_cross_entropy_plus_the_default_aux_coefficient():
     assert MoeLMObjective(build_moe(stronger, seed=0)).coef == 0.01
 
 
+def test_objective_takes_an_output_without_router_fields():
+    """transformers 5.17's dense DeepSeek-V2 returns a CausalLMOutputWithPast with neither aux_loss nor
+    router_logits (the GPU machine's version: the MTP reference failed to train there, session 30)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    model = build_moe(moe_config(_tokenizer(), "Qwen3MoeForCausalLM", TINY_MOE), seed=0)
+    objective = MoeLMObjective(model)
+    ce = torch.tensor(2.5, requires_grad=True)
+    objective.module = lambda **_: CausalLMOutputWithPast(loss=ce)
+    loss, metrics = objective.loss(torch.zeros(1, 4, dtype=torch.long))
+    assert float(loss.detach()) == 2.5 and float(metrics["aux_loss"]) == 0.0
+    assert "expert_load_max_over_mean" not in metrics
+
+
 def test_moe_config_shapes_and_errors():
     tok = _tokenizer()
     shared = moe_config(tok, "Qwen2MoeForCausalLM", TINY_MOE)

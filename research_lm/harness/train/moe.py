@@ -155,17 +155,19 @@ class MoeLMObjective:
         out = self.module(input_ids=input_ids, labels=input_ids, use_cache=False, output_router_logits=True)
         lm_loss, aux = self.cross_entropy_and_aux(out)
         metrics = {"lm_loss": lm_loss.detach(), "aux_loss": aux.detach()}
-        if out.router_logits:
-            metrics["expert_load_max_over_mean"] = expert_load_ratio(out.router_logits, self.top_k)
+        router_logits = getattr(out, "router_logits", None)  # (a dense DeepSeek-V2 in transformers 5.17 has none)
+        if router_logits:
+            metrics["expert_load_max_over_mean"] = expert_load_ratio(router_logits, self.top_k)
         return lm_loss + self.coef * aux, metrics
 
     def cross_entropy_and_aux(self, out: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(next-token cross-entropy, load-balancing loss), 0-d. Qwen's forward adds coef x aux into out.loss;
         DeepSeek-V2's returns the cross-entropy alone, so the same Switch loss comes from its routers' logits
-        (0 when every layer is dense)."""
-        if out.aux_loss is not None:
-            return out.loss - self.coef * out.aux_loss, out.aux_loss
-        if not out.router_logits:
+        (0 when every layer is dense). transformers 5.17's DeepSeek-V2 output has neither field."""
+        aux_loss = getattr(out, "aux_loss", None)
+        if aux_loss is not None:
+            return out.loss - self.coef * aux_loss, aux_loss
+        if not getattr(out, "router_logits", None):
             return out.loss, out.loss.new_zeros(())
         from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
