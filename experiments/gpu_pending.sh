@@ -108,6 +108,12 @@
 # (skinny_rows > 1). Next, on an H100 first (issue 31 needs both kinds; issue 30's anchor is an H100's): `skinny`
 # (both kernels), bench_decode_h100, spec_transfer_8b_h100; then `tree_cprofile`, spec_tree_h200 with its own 20
 # minutes, `tests` in full, bi_gap, spec_suffix_h200, spec_mtp_h200.
+# Session 30 (4 x H200 for h100-x4 requests, d25e63f; PERFORMANCE.md twenty-ninth pass) ran `tests` (137 passed),
+# `skinny` (the all-rows kernel: 3.4x cuBLAS a layer), bench_decode, `tree_cprofile`, bi_gap (prefix caching /
+# separate prefills: neither), and spec_tree_h200 / spec_suffix_h200 in full with --gpus 2 each (5 min / 4 min; the
+# tree table's batch 8 / 32 ran at a 128-token budget, since fixed). Next: on an H100 `skinny` and bench_decode_h100,
+# spec_transfer_8b_h100; then the reference training, spec_tree (--gpus 2), spec_mtp (train_reference_mtp.sh first:
+# it failed on transformers 5.17, fixed since), `tests`. Poll at once after `start`: the machine goes after 30 s idle.
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
@@ -238,7 +244,9 @@ PY
   skinny)  # issue 31: the skinny kernels' tiles swept on this GPU (written where skinny_tiles reads them), their GPU
            # tests, then bench_decode beside gpt-fast: the one-row kernel (the default), the per-op path and the
            # all-rows kernel (skinny_rows=4) (copy ../shared/peers to .peers/ and carry it)
-    (cd experiments && python bench_skinny_linear.py --sweep --tune ../research_lm/assets/tuned/skinny_linear.json \
+    # --m 1: skinny_rows=1 (the default) sends only one-row steps here; session 30 tuned over M = 1, 2, 4 and the
+    # tile it kept for o_proj took 8.45 us at M = 1 against 5.3 (bench_decode 1.169 ms against 1.122)
+    (cd experiments && python bench_skinny_linear.py --m 1 --sweep --tune ../research_lm/assets/tuned/skinny_linear.json \
       --out ../outputs/skinny && python bench_skinny_linear.py --rows-per-program 4 --sweep \
       --tune ../research_lm/assets/tuned/skinny_linear.json --out ../outputs/skinny --name bench_skinny_rows)
     python -m pytest -m gpu tests/ops/test_skinny_linear.py tests/engine/test_async_scheduling.py -p no:cacheprovider \
