@@ -27,9 +27,10 @@ from research_lm.engine.spec_policy import AdaptivePolicy, SpeculationPolicy
 
 NAME = "sim_spec_policy"
 K = 4
-# (alpha, base ms, ms per draft): cheap drafts with high / middling acceptance, costly drafts, and a case where
-# speculation does not pay (arm 0 wins).
-SCENARIOS = [(0.8, 0.6, 0.05), (0.6, 0.6, 0.05), (0.7, 0.7, 0.25), (0.5, 0.6, 0.15), (0.3, 0.6, 0.3)]
+# (alpha, base ms, ms per draft): cheap drafts with high / middling acceptance, costly drafts, a case where
+# speculation does not pay (arm 0 wins), and one where a step of all k drafts costs ~9 plain steps (a 16-node tree's
+# on the H200, spec_tree_h200), however well they are accepted.
+SCENARIOS = [(0.8, 0.6, 0.05), (0.6, 0.6, 0.05), (0.7, 0.7, 0.25), (0.5, 0.6, 0.15), (0.3, 0.6, 0.3), (0.8, 0.5, 1.0)]
 _repeat = itertools.count()
 
 
