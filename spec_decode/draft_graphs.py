@@ -71,6 +71,12 @@ own: 16 .. 512): an eager entry over ~150 prompt rows cost the host ~4 ms at bat
 ~0.1 ms of kernels. An entry longer than the graphs serve (a longer prompt, or a prompt chunk beside other
 requests) is `split`: the proposer runs its first rows eagerly (they only write the drafter's KV) and the graph
 the last ones.
+
+A token tree's drafting step (`levels`, spec_decode/tree_graphs.py) replaces part 2 and the pick: its graphs, of
+one rule "tree" and k = 1, run the same entry (the same staging, bookkeeping, prompt graphs and `split`), then
+the tree's levels from each request's last entry row (its root: position, head output and next feature), and
+return their outputs; a request's staged budget is its chain budget there (0: no tree, as on padding rows).
+
 Not captured at all for a drafter with a layer that syncs with the host in forward
 (`research_lm.worker.cuda_graphs.uncapturable_reason`; the runner checks only the target), and the entry is
 captured with q = 1 only where an attention backend lacks `cuda_graphs_multi_token`. The attention launch
@@ -197,6 +203,9 @@ class DraftGraphs:
         # max(prefill_sizes) rows replays the smallest that holds it, with no eager catch-up. Ignored without
         # multi-token attention (query_len 1).
         prefill_sizes: Sequence[int] = (),
+        # A token tree's levels in place of the chain (module docstring; k must be 1): at capture levels(b,
+        # block_table [b, blocks]) gives grow(root_out [b, H], root_carry [b, H], roots [b], budgets [b]) -> outputs
+        levels: Callable[[int, torch.Tensor], Callable[..., Any]] | None = None,
     ):
         self.k, self.vocab_size, self.block_size = num_speculative_tokens, vocab_size, block_size
         self.query_len = query_len
@@ -230,7 +239,9 @@ class DraftGraphs:
         self.last_rows = torch.zeros(a, **i64)  # each request's last entry row (the bookkeeping kernel's output)
         self.temperature = torch.ones(a, dtype=torch.float32, device=device)
         self.temperature_host = torch.ones(a, dtype=torch.float32, pin_memory=pin)
-        self.probs = torch.zeros(a, self.k, vocab_size, dtype=torch.float32, device=device)
+        assert levels is None or (self.k == 1 and tokens is None), "a tree's graphs have no chain"
+        self._levels = levels
+        self.probs = torch.zeros(a, self.k, vocab_size if levels is None else 0, dtype=torch.float32, device=device)
         # "verified" needs q = k + 1 rows per request, and the token table to write the drafts into.
         self.drafts_verified = query_len == num_speculative_tokens + 1 and tokens is not None
         fits = verified_inputs is not None and min(len(v) for v in verified_inputs) >= a * q
@@ -248,6 +259,8 @@ class DraftGraphs:
         self._max_seq_len = max_seq_len
         self.pool = pool = GraphPool.of(capture)  # the runner's, where it hands its pool over
         rules = ("argmax", "sample", "verified") if self.drafts_verified else ("argmax", "sample")
+        if levels is not None:
+            rules = ("tree",)
         for lay in sorted(layouts, key=lambda lay: -lay.t):  # largest first: the smaller ones reuse its pool memory
             for rule in rules if lay.q == q else rules[:2]:
                 self._fill_for_capture(lay)
@@ -278,7 +291,7 @@ class DraftGraphs:
             for v in self.verified:
                 v.zero_()
 
-    def _draft_fn(self, lay: _Layout, rule: str) -> Callable[[], None]:
+    def _draft_fn(self, lay: _Layout, rule: str) -> Callable[[], Any]:
         b, t, bs, vocab = lay.b, lay.t, self.block_size, self.vocab_size
         st = self.staging
         ids_in, pos_in, req_in = st[lay.token(0)], st[lay.token(1)], st[lay.token(2)]
@@ -384,13 +397,16 @@ class DraftGraphs:
             from research_lm.ops.step_inputs import write_drafts  # Triton, imported when a kernel runs
         else:
             write_drafts = write_drafts_ref
+        grow = self._levels(b, block_table) if rule == "tree" else None
 
         @torch.inference_mode()
-        def draft() -> None:
+        def draft() -> Any:
             if rule == "verified" and self.entry_shift:
                 torch.add(verified[2].reshape(t), self.entry_shift, out=pos)
             last_row = records()
             out, carry = self._entry(entry_ids, pos, entry_md, features)
+            if grow is not None:  # a token tree: its levels from each request's last entry row
+                return grow(out[last_row], carry[last_row], pos[last_row], budget)
             pick(out[last_row], 0)
             if carry is not None and self.k > 1:
                 carry = carry[last_row]
@@ -445,8 +461,8 @@ class DraftGraphs:
         # (feature rows [T] on the device, out [T, F]) -> out: writes the entry rows' target features in place
         features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         feature_rows: Sequence[int] | None = None,  # [T] each entry row's row in the target step
-        sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax"
-    ) -> torch.Tensor | None:  # "sample": q [n, k, V]
+        sampling: DraftSampling | None = None,  # per request: the "sample" rule; None: "argmax" (or "tree")
+    ) -> Any:  # "sample": q [n, k, V]; "tree": the levels' outputs (the graph's: until the next replay)
         """Replay the step's graph. Request r's drafts 1 .. budget stay on the device until the next replay
         (`drafts` hands them out)."""
         n, num_tokens = len(lens), sum(lens)
@@ -497,6 +513,8 @@ class DraftGraphs:
             self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, staged[lay.request(4)][:n]))
         if features is not None:
             features(staged[lay.token(3)][:num_tokens], self.features[:num_tokens])
+        if self._levels is not None:
+            return self._replay[lay, "tree"]()
         self._replay[lay, "sample" if sampling is not None else "argmax"]()
         return None if sampling is None else self.probs[:n].clone()  # the next replay overwrites the buffer
 

@@ -262,8 +262,9 @@ class EagleProposer(Proposer):
     (the target restarts at c = 0 or a prefix hit) or a prefill chunk, the head's KV below the
     target's computed tokens is exactly what the target's features give. Then up to k - 1 chained
     single-token steps at positions n, n+1, ... (the scheduler's lookahead slots); or, with a token tree
-    (static, or EAGLE-2's dynamic one), its levels (spec_decode/eagle_tree.py, at collect: from CUDA graphs where
-    they were captured, spec_decode/tree_graphs.py).
+    (static, or EAGLE-2's dynamic one), its levels (spec_decode/eagle_tree.py, at collect). Where graphs were
+    captured a step replays one, entry and chain (spec_decode/draft_graphs.py) or entry and levels
+    (spec_decode/tree_graphs.py).
     """
 
     def __init__(
@@ -390,21 +391,27 @@ class EagleProposer(Proposer):
         return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
 
     def _propose_tree(self, outcome: StepOutcome) -> Drafts:
-        """The entry forward as for a chain, then the tree's levels from each drafting request's last row. Every
+        """The entry forward as for a chain, then the tree's levels from each drafting request's last row, both from
+        one graph where they were captured (spec_decode/tree_graphs.py), else eagerly. Every
         request drafts a deterministic top-k tree, whatever it samples; its chain budget (as many drafts as a chain of
         the tree's depth) says which nodes are real."""
         drafting = start_drafting(outcome.requests, outcome.emitted, self.token_tree.depth, self.max_model_len)
         span = self._entry_span(outcome)
+        if self.tree_graphs is not None and self.tree_graphs.serves(len(span[0])):  # the entry and the levels
+            budget = dict(zip(drafting.index, drafting.budget, strict=True))
+            tokens, parents = self.tree_graphs.run(
+                outcome.common.block_table, *span, [budget.get(i, 0) for i in span[0]], drafting.index,
+                catch_up=lambda *rows: self._entry(outcome, *rows),
+                features=lambda rows, out: self._target_features(outcome, rows, out))
+            if not drafting.index:
+                return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
+            return Drafts(drafting.index, tokens, self.tree_drafter.real_counts(drafting.budget), tree_parents=parents)
         out, hidden = self._entry(outcome, *span)
         if not drafting.index:
             return drafting.proposal(self.num_speculative_tokens, outcome.input_ids.device)
         starts, lens = span[1], span[2]
         last = to_device(last_rows(lens, drafting.index), torch.int64, out.device)  # each request's last row
         roots = [starts[i] + lens[i] - 1 for i in drafting.index]  # n - 1
-        if self.tree_graphs is not None and self.tree_graphs.serves(len(roots)):
-            tokens, parents = self.tree_graphs.run(outcome.common.block_table, drafting.index, roots, drafting.budget,
-                                                   out[last], hidden[last])
-            return Drafts(drafting.index, tokens, self.tree_drafter.real_counts(drafting.budget), tree_parents=parents)
         return self.tree_drafter.draft(outcome.common, drafting.index, drafting.budget, roots, out[last], hidden[last])
 
     def capture_cuda_graphs(self, *, sizes: list[int], capture: Capture | GraphPool, block_size: int,
@@ -414,23 +421,28 @@ class EagleProposer(Proposer):
         """Graphs of whole greedy drafting steps (spec_decode/draft_graphs.py), over the allocated KV cache; the
         "verified" ones (where the runner hands over its token table) read the target's argmax and input ids in
         place where the runner hands their buffers over, and write the drafts into the table. A token tree's levels
-        (static or dynamic) get graphs of their own (spec_decode/tree_graphs.py; its entry stays eager)."""
+        (static or dynamic) get graphs of their own, of the entry and the levels (spec_decode/tree_graphs.py)."""
         backends = [layer.backend for layer in self.cache_layers]
         if uncapturable_reason(self.head, backends, lengths_on_device=True) is not None:
             return
         multi_token = all(b.capabilities.cuda_graphs_multi_token for b in backends)
         fc = self.head.fc.weight  # [H, fc input]
-        if self.tree_drafter is not None:
-            if multi_token:
-                self.tree_graphs = TreeGraphs(
-                    self.tree_drafter, layers=self.cache_layers, sizes=sizes, hidden=fc.shape[0], dtype=fc.dtype,
-                    block_size=block_size, max_blocks_per_req=max_blocks_per_req,
-                    max_seq_len=self.max_model_len + self.num_lookahead_tokens, device=fc.device, capture=capture)
-            return
         # The entry reads the target's features: EAGLE-3 its aux streams (fc's input), EAGLE-1 its hidden state.
         width = fc.shape[1] if isinstance(self.head, Eagle3Head) else fc.shape[0]
+
+        def entry(ids, pos, md, feats):
+            return self._forward(ids, pos, md, self._head_features(feats))
+
+        if self.tree_drafter is not None:
+            if multi_token:  # a request's entry after a tree step: the accepted path and the bonus, <= depth + 1 rows
+                self.tree_graphs = TreeGraphs(
+                    self.tree_drafter, entry=entry, layers=self.cache_layers, sizes=sizes,
+                    query_len=self.token_tree.depth + 1, block_size=block_size, max_blocks_per_req=max_blocks_per_req,
+                    max_seq_len=self.max_model_len + self.num_lookahead_tokens, features=(width, fc.dtype),
+                    device=fc.device, capture=capture, prefill_sizes=prefill_sizes)
+            return
         self.graphs = DraftGraphs(
-            entry=lambda ids, pos, md, feats: self._forward(ids, pos, md, self._head_features(feats)),
+            entry=entry,
             step=self._forward, logits=self._logits, argmax=self._greedy_argmax(), layers=self.cache_layers,
             num_speculative_tokens=self.num_speculative_tokens, vocab_size=self.vocab_size, sizes=sizes,
             query_len=self.num_speculative_tokens + 1 if multi_token else 1, block_size=block_size,

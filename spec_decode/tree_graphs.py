@@ -1,7 +1,14 @@
-"""CUDA graphs of a token tree's levels (`EagleTree.grow`, static; `DynamicEagleTree.grow`, EAGLE-2's): depths
-1 .. D of a drafting step in one replay per padded batch size B, the same numbers as the eager levels. The entry
-forward before them stays eager (its rows vary with acceptance); its head output and next feature at each request's
-last verified row, the root, are the graph's inputs.
+"""CUDA graphs of a token tree's whole drafting step: the entry forward over the rows the target just verified,
+then the tree's levels (`EagleTree.grow`, static; `DynamicEagleTree.grow`, EAGLE-2's), depths 1 .. D, in one
+replay per padded batch size B, the same numbers as the eager step.
+
+The entry is `DraftGraphs`' (spec_decode/draft_graphs.py), its "tree" rule: the same staging of the entry rows,
+whose spans vary with acceptance (at most q = D + 1 rows per request), the same bookkeeping (on CUDA its Triton
+kernel, with k = 1: no chain), the same prompt graphs of B = 1 and the same `split` of entries longer than a graph
+serves (their first rows run eagerly, `run`'s catch_up). In place of the chain, the graph grows the tree from each
+request's last entry row, its root: the head's output and next feature there, at the root's position. Every entry
+request of the step is a graph row; only those with a chain budget (staged with the entry's) grow a real tree, the
+others (budget 0: no drafts this step) and the padding rows grow theirs at root 0, writing no KV.
 
 Each level runs the head over a block of M nodes per request (a static tree: nodes 1 .. M_d, those of depth < d; a
 dynamic one: the frontiers of the depths above), as `run_block` does: block node j at position root + its depth,
@@ -9,22 +16,17 @@ its KV at the slot of position root + j, attending to the cached context and to 
 Eagerly each level builds its metadata from host lists; here a level's records are computed inside the graph from
 the roots, into persistent buffers that the level's metadata (built once at capture) reads:
 
-    staging [2A + 1] int64       the roots (each request's last verified position; 0 on padding), n, then the chain
-                                 budgets (what a dynamic tree's real nodes fit in): one copy
-    block_table [A, blocks]      each request's row of the target step's block table
-    root_out, root_carry [A, H]  the head's output and next feature at the roots
     per (B, M): positions, slot_mapping, tree_bits [B * M] int64, seq_lens [B] int32, query_start_loc [B + 1]
-                                 (query_start_loc fixed at capture)
+                (query_start_loc fixed at capture); the block table is the entry's (`DraftGraphs.block_table`)
 
-A replay returns the drafts [B, N] int64 (node j in column j - 1) and, for a dynamic tree, their parents [B, N + 1]
-(the graph's outputs, until the next replay). Padding rows (n .. B - 1) compute at root 0 and write no KV (slot -1);
-their drafts are noise. A graph needs attention that takes multi-token queries in graphs and masks token trees
-(triton); elsewhere the tree drafts eagerly.
+A replay gives the drafts [B, N] int64 (node j in column j - 1) and, for a dynamic tree, their parents [B, N + 1]
+(the graph's outputs, until the next replay); `run` gathers the drafting requests' rows. A graph needs attention
+that takes multi-token queries in graphs and masks token trees (triton); elsewhere, and for a step of more
+requests than the largest size, the whole step drafts eagerly.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,100 +35,101 @@ import torch
 from attention_zoo import CacheLayer
 from research_lm.worker.cuda_graphs import Capture, GraphPool
 from research_lm.worker.rng import to_device
-from spec_decode.draft_graphs import graph_metadata
+from spec_decode.draft_graphs import DraftForward, DraftGraphs, graph_metadata
 from spec_decode.eagle_tree import DynamicEagleTree, EagleTree
 
 
 class TreeGraphs:
-    def __init__(self, tree: EagleTree | DynamicEagleTree, *, layers: Sequence[CacheLayer], sizes: Sequence[int],
-                 hidden: int, dtype: torch.dtype, block_size: int, max_blocks_per_req: int, max_seq_len: int,
-                 device: torch.device, capture: Capture | GraphPool):
+    def __init__(self, tree: EagleTree | DynamicEagleTree, *, entry: DraftForward, layers: Sequence[CacheLayer],
+                 sizes: Sequence[int], query_len: int, block_size: int, max_blocks_per_req: int, max_seq_len: int,
+                 features: tuple[int, torch.dtype], device: torch.device, capture: Capture | GraphPool,
+                 prefill_sizes: Sequence[int] = ()):
         self.tree, self.block_size, self.max_seq_len = tree, block_size, max_seq_len
-        self.sizes = sorted(s for s in set(sizes) if s >= 1)
-        a = self.sizes[-1]
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.staging = torch.zeros(2 * a + 1, **i64)
-        self.block_table = torch.zeros(a, max_blocks_per_req, **i32)
-        self.request_rows = torch.full((a,), -1, **i32)  # only state layers read it; drafters have none
-        self.root_out = torch.zeros(a, hidden, dtype=dtype, device=device)
-        self.root_carry = torch.zeros(a, hidden, dtype=dtype, device=device)
-        self.rows = torch.arange(a, **i64)
-        self.offsets = torch.arange(1, max(tree.block_sizes(), default=0) + 1, **i64)  # block node j's KV: root + j
+        a = max(s for s in sizes if s >= 1)
+        self.request_rows = torch.full((a,), -1, dtype=torch.int32, device=device)  # only state layers read it
+        self.offsets = torch.arange(1, max(tree.block_sizes(), default=0) + 1, dtype=torch.int64, device=device)
         self._backends = {layer.backend.name: layer.backend for layer in layers}
-        self._replay: dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor | None]]] = {}
-        self._keep: dict[int, tuple[Any, ...]] = {}
-        pool = GraphPool.of(capture)
-        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            self.staging.zero_()  # all padding: a warm-up run writes no KV
-            self._replay[b] = pool(self._draft_fn(b))
+        self._records: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}  # b -> m -> a level's records
+        self.graphs = DraftGraphs(
+            entry=entry, step=tree.forward, logits=tree.logits, argmax=None, layers=layers, num_speculative_tokens=1,
+            vocab_size=tree.vocab_size, sizes=sizes, query_len=query_len, block_size=block_size,
+            max_blocks_per_req=max_blocks_per_req, max_seq_len=max_seq_len, features=features, device=device,
+            capture=capture, prefill_sizes=prefill_sizes, levels=self._levels)
+        self.sizes = self.graphs.sizes
 
-    def _draft_fn(self, b: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
-        tree, bs = self.tree, self.block_size
-        # views: a replay reads what the host staged
-        roots, num_reqs, budget = self.staging[:b], self.staging[b], self.staging[b + 1 : 2 * b + 1]
-        real = torch.zeros(b, dtype=torch.bool, device=roots.device)  # rows < n, computed in the graph
-        block_table, last_block = self.block_table[:b], self.block_table.shape[1] - 1
-        records = {m: self._level(b, m) for m in tree.block_sizes()}
-        self._keep[b] = (real, records)  # a capture keeps the graph, not this function: its buffers must outlive it
+    def _levels(self, b: int, block_table: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+        """At capture, for b requests: the tree's levels as `DraftGraphs` runs them after the entry."""
+        tree, bs, last_block = self.tree, self.block_size, block_table.shape[1] - 1
+        if b not in self._records:  # persistent: a capture keeps the graph, not this function
+            self._records[b] = {m: self._level(b, m, block_table) for m in tree.block_sizes()}
+        records = self._records[b]
 
-        def block(tokens: torch.Tensor, features: torch.Tensor, depths: torch.Tensor,
-                  bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            m = tokens.shape[1]
-            positions, slots, seq_lens, tree_bits, metadata = records[m]
-            kv = roots[:, None] + self.offsets[:m]  # [b, m] the positions whose slots hold the nodes' KV
-            slot = block_table.gather(1, (kv // bs).clamp(max=last_block)).long() * bs + kv % bs
-            slots.copy_(torch.where(real[:, None], slot, -1).view(-1))
-            positions.copy_((roots[:, None] + depths).view(-1))
-            tree_bits.copy_(bits.reshape(-1))
-            seq_lens.copy_(torch.where(real, roots + 1 + m, m))  # padding: the block alone
-            out, carry = tree.forward(tokens.reshape(-1), positions, metadata, features.flatten(0, 1))
-            return out.view(b, m, -1), carry.view(b, m, -1)
+        def grow(root_out: torch.Tensor, root_carry: torch.Tensor, roots: torch.Tensor,
+                 budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            real = budgets > 0  # [b] a drafting request's row (not padding, nor a request that drafts nothing)
+            roots = torch.where(real, roots, 0)
 
-        @torch.inference_mode()
-        def draft() -> tuple[torch.Tensor, torch.Tensor | None]:  # a graph's outputs stay allocated for its replays
-            torch.lt(self.rows[:b], num_reqs, out=real)
-            return tree.grow(self.root_out[:b], self.root_carry[:b], block, budget)
+            def block(tokens: torch.Tensor, features: torch.Tensor, depths: torch.Tensor,
+                      bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                m = tokens.shape[1]
+                positions, slots, seq_lens, tree_bits, metadata = records[m]
+                kv = roots[:, None] + self.offsets[:m]  # [b, m] the positions whose slots hold the nodes' KV
+                slot = block_table.gather(1, (kv // bs).clamp(max=last_block)).long() * bs + kv % bs
+                slots.copy_(torch.where(real[:, None], slot, -1).view(-1))
+                positions.copy_((roots[:, None] + depths).view(-1))
+                tree_bits.copy_(bits.reshape(-1))
+                seq_lens.copy_(torch.where(real, roots + 1 + m, m))  # padding: the block alone
+                out, carry = tree.forward(tokens.reshape(-1), positions, metadata, features.flatten(0, 1))
+                return out.view(b, m, -1), carry.view(b, m, -1)
 
-        return draft
+            return tree.grow(root_out, root_carry, block, budgets)
 
-    def _level(self, b: int, m: int) -> tuple[torch.Tensor, ...]:
+        return grow
+
+    def _level(self, b: int, m: int, block_table: torch.Tensor) -> tuple[Any, ...]:
         """A block of m nodes per request for b requests: (positions, slot_mapping, seq_lens, tree_bits, metadata)."""
-        device = self.staging.device
+        device = block_table.device
         positions = torch.zeros(b * m, dtype=torch.int64, device=device)
         slots = torch.full((b * m,), -1, dtype=torch.int64, device=device)
         seq_lens = torch.full((b,), m, dtype=torch.int32, device=device)
         qsl = torch.arange(0, b * m + 1, m, dtype=torch.int32, device=device)
         bits = torch.ones(b * m, dtype=torch.int64, device=device)
-        metadata = graph_metadata(self._backends, qsl, seq_lens, slots, self.block_table[:b], self.request_rows[:b],
+        metadata = graph_metadata(self._backends, qsl, seq_lens, slots, block_table, self.request_rows[:b],
                                   b * m, m, self.max_seq_len, self.block_size, tree_bits=bits)
         return positions, slots, seq_lens, bits, metadata
 
     def serves(self, num_reqs: int) -> bool:
-        return 0 < num_reqs <= self.sizes[-1]
+        """Does a graph fit a step of this many entry requests?"""
+        return self.graphs.serves(num_reqs)
 
     @torch.inference_mode()
     def run(
         self,
         block_table: torch.Tensor,  # [step's requests, >= blocks] the target step's block table
-        rows: Sequence[int],  # [n] each drafting request's row in it
-        root_positions: Sequence[int],  # [n] the position of its last verified row
-        budgets: Sequence[int],  # [n] its chain budget
-        root_out: torch.Tensor,  # [n, H] the head's output there
-        root_carry: torch.Tensor,  # [n, H] and its next feature
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [n, N] int64 tokens; a dynamic tree's parents [n, N + 1]
-        """Replay the graph of the smallest size that holds the n requests; the host issues only copies."""
-        n = len(rows)
-        b = self.sizes[bisect.bisect_left(self.sizes, n)]
-        staged = [*root_positions, *[0] * (b - n), n, *budgets, *[0] * (b - n)]
-        self.staging[: 2 * b + 1].copy_(to_device(staged, torch.int64, self.staging.device))
-        cols = min(block_table.shape[1], self.block_table.shape[1])
-        if list(rows) == list(range(n)):  # the step's first n rows, in order: no gather
-            self.block_table[:n, :cols].copy_(block_table[:n, :cols])
-        else:
-            index = to_device(list(rows), torch.int64, block_table.device)
-            self.block_table[:n, :cols].copy_(block_table[:, :cols].index_select(0, index))
-        self.root_out[:n].copy_(root_out)
-        self.root_carry[:n].copy_(root_carry)
-        tokens, parents = self._replay[b]()
+        rows: Sequence[int],  # [n] each entry request's row in it
+        starts: Sequence[int],  # [n] position of each request's first entry row
+        lens: Sequence[int],  # [n] its entry rows
+        tokens: Sequence[int],  # the entry rows' tokens (x[t + 1]), request after request
+        feature_rows: Sequence[int],  # each entry row's row in the target step
+        budgets: Sequence[int],  # [n] each request's chain budget (0: it drafts nothing)
+        drafting: Sequence[int],  # the drafting requests' rows in the step (their budgets > 0)
+        catch_up: Callable[..., Any],  # (rows, starts, lens, tokens, feature_rows): an eager entry forward
+        features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],  # `DraftGraphs.run`'s
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [len(drafting), N] int64 tokens; a dynamic tree's parents
+        """Replay the step's graph (entry and levels); the host issues only copies, and the eager entry forward of
+        the first rows of entries longer than the graphs serve (`DraftGraphs.split`)."""
+        cut, early, (tokens, feature_rows) = self.graphs.split(lens, tokens, feature_rows)
+        if any(cut):
+            long = [i for i, c in enumerate(cut) if c]
+            catch_up([rows[i] for i in long], [starts[i] for i in long], [cut[i] for i in long], *early)
+            starts = [s + c for s, c in zip(starts, cut, strict=True)]
+            lens = [n - c for n, c in zip(lens, cut, strict=True)]
+        drafts, parents = self.graphs.run(block_table, rows, tokens, starts, lens, budgets, features=features,
+                                          feature_rows=feature_rows)
+        by_row = {r: i for i, r in enumerate(rows)}
+        index = [by_row[r] for r in drafting]
         # copies: the next replay overwrites the graph's outputs
-        return tokens[:n].clone(), None if parents is None else parents[:n].clone()
+        if index == list(range(len(index))):
+            return drafts[: len(index)].clone(), None if parents is None else parents[: len(index)].clone()
+        select = to_device(index, torch.int64, drafts.device)
+        return drafts.index_select(0, select), None if parents is None else parents.index_select(0, select)
