@@ -1,7 +1,8 @@
 """Suffix decoding (SuffixDecoding, Oliaro et al., NeurIPS 2025; vLLM's method "suffix", after Snowflake
 ArcticInference): model-free drafts from suffix trees of bounded depth, with vLLM's four keys and defaults.
 
-Each live request has a tree over its own prompt + output, extended by every token it emits; one global tree holds the
+Each live request has a tree over its own prompt + output, extended by every token it emits (kept as the text itself,
+see "Host cost" below); one global tree holds the
 outputs of the last `suffix_decoding_max_cached_requests` finished requests (FIFO eviction; 0: no global tree). A tree
 holds every substring of at most `suffix_decoding_max_tree_depth` tokens, each node counting its occurrences. Every
 step, for each match length m (the request's last m tokens found in a tree, m < depth), the drafts follow the most
@@ -18,13 +19,18 @@ nodes; its score is again the sum of its nodes' probabilities, and the best (tre
 every node has one child this is the path. The runner verifies each request's tree in one target forward
 (`OwnTrees`: nodes 1..N breadth-first, `Drafts.tree_parents`); k <= 62 then (a node's ancestor mask is one int64).
 
-Host cost per step: `max_tree_depth` dict lookups per emitted token (own tree) and per live request (its match in
-the global tree, redone in full only after the global tree changed), plus the path walks (a speculation tree's: a
-visit of every child of each of its at most k nodes and a heap push per child kept); a request's own tree is built
-once, from its prompt, when it first emits (vectorized: ~12 ms for 2k tokens on one core). Unlike ArcticInference's
-path-compressed tree, every substring has a node: up to max_tree_depth nodes per token (a 2k-token code prompt: ~40k
-nodes, ~4 MB). Speculation trees need each node's children linked (two arrays more: ~+30% append time on novel text),
-which the global tree always keeps and a request's own tree keeps only then.
+Host cost per step: a request's own tree is never built. Its text is searched instead (`OwnText`): the node of a
+string is the set of positions it ends at, so an emitted token is a list append (a trie took max_tree_depth dict
+lookups / node creations per token, and ~12 ms to build from a 2k-token prompt), and each step finds the ends of the
+text's last 1 .. max_tree_depth - 1 tokens with one vectorized comparison of the windows ending at each occurrence of
+its last token (~30 us at 1.4k tokens); the match lengths that end at the same positions share one path walk. The
+global tree stays a trie (path-uncompressed: up to max_tree_depth nodes per token, children linked): max_tree_depth
+dict lookups per token of each finished output, and per live request its match there (advanced token by token,
+redone in full after the global tree changed), plus the path walks (a speculation tree's: a visit of every child of
+each of its at most k nodes and a heap push per child kept). experiments/bench_suffix_host.py (tiny-llama's agentic
+steps replayed on this CPU, k = 5, paths): 0.18 / 1.03 / 3.20 ms a step at batch 1 / 8 / 32, against the trie's
+0.32 / 1.83 / 5.65 (1.8x; speculation trees 1.2-1.4x); at batch 32 ~0.9 ms of it is the global tree's appends of
+finished outputs, ~0.7 ms `matches`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +55,15 @@ _STALE = -2  # best child: a child's count went down; recounted from the childre
 
 
 class SuffixTree:
-    """Every substring of at most `max_depth` tokens of the sequences appended to it, as a trie whose node for a
-    string w counts the positions w starts at, and knows its most frequent child (ties: the smaller token).
+    """Every substring of at most `max_depth` tokens of the sequences appended to it (the global tree), as a trie
+    whose node for a string w counts the positions w starts at, and knows its most frequent child (ties: the smaller
+    token); a sequence appended before can be removed again.
 
     Nodes are ints (0: the root, the empty string) indexing flat arrays; a child is found in one dict keyed by
-    parent << 32 | token. A sequence is held by the caller as its suffix nodes (index m - 1: the node of its last m
-    tokens, m <= max_depth), which `append` moves one token on: max_depth lookups per token, never a rebuild."""
+    parent << 32 | token, and each node links its children, in no order (first_child, next_sibling; -1 ends), for
+    the walks that visit them all: speculation trees, a best child's recount. A sequence is held by the caller as its
+    suffix nodes (index m - 1: the node of its last m tokens, m <= max_depth), which `append` moves one token on:
+    max_depth lookups per token, never a rebuild. Removed nodes are reused."""
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
@@ -61,6 +71,9 @@ class SuffixTree:
         self.count = array("q", [0])
         self.token = array("q", [-1])
         self.best = array("q", [_NONE])
+        self.first_child = array("q", [-1])
+        self.next_sibling = array("q", [-1])
+        self._free: list[int] = []
 
     def __len__(self) -> int:
         return len(self.count)
@@ -89,148 +102,6 @@ class SuffixTree:
             suffixes = self.append(suffixes, token)
         return suffixes
 
-    def build(self, tokens: list[int]) -> list[int]:
-        """`extend` an empty tree by `tokens`, vectorized (one np.unique per depth): the same nodes, counts and best
-        children, numbered by depth."""
-        assert len(self.count) == 1, "build fills an empty tree"
-        seq = np.asarray(tokens, dtype=np.int64)  # [L]
-        length = seq.shape[0]
-        node = np.zeros(length, dtype=np.int64)  # per start i: the node of seq[i : i + m - 1], then of seq[i : i + m]
-        keys, counts, suffixes, num_nodes = [], [], [], 1
-        for m in range(1, min(self.max_depth, length) + 1):
-            level, inverse, level_counts = np.unique(node[: length - m + 1] << 32 | seq[m - 1 :], return_inverse=True,
-                                                     return_counts=True)
-            node = num_nodes + inverse.reshape(-1)
-            num_nodes += level.shape[0]
-            keys.append(level)
-            counts.append(level_counts)
-            suffixes.append(int(node[-1]))  # start length - m: the last m tokens
-        if not keys:
-            return []
-        key, count = np.concatenate(keys), np.concatenate(counts)  # node i + 1 is entry i
-        parent, token = key >> 32, key & 0xFFFFFFFF
-        order = np.lexsort((token, -count, parent))  # per parent: the most frequent child first, then the smaller token
-        new_parent = np.r_[True, parent[order][1:] != parent[order][:-1]]
-        first = order[new_parent]
-        best = np.full(num_nodes, _NONE, dtype=np.int64)
-        best[parent[first]] = first + 1
-        self.children = dict(zip(key.tolist(), range(1, num_nodes)))
-        self.count = array("q", np.r_[length, count].astype(np.int64).tobytes())
-        self.token = array("q", np.r_[-1, token].astype(np.int64).tobytes())
-        self.best = array("q", best.tobytes())
-        self._link_built(order + 1, new_parent, best)
-        return suffixes
-
-    def match(self, tokens: list[int]) -> list[int]:
-        """The nodes of the suffixes of `tokens` present in the tree, shortest first (each suffix of a present
-        string is present too, so they stop at the first one missing)."""
-        children, out = self.children, []
-        for m in range(1, len(tokens) + 1):
-            node = 0
-            for token in tokens[len(tokens) - m :]:
-                node = children.get(node << 32 | token, -1)
-                if node < 0:
-                    return out
-            out.append(node)
-        return out
-
-    def best_child(self, node: int) -> int:
-        return self.best[node]
-
-    def path(self, node: int, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
-        """Up to `max_tokens` tokens below `node` along the most frequent children, while the path's probability
-        (product of count(child) / count(parent)) stays >= min_prob; and its score, the sum of those probabilities."""
-        count, tok = self.count, self.token
-        drafts: list[int] = []
-        prob, score = 1.0, 0.0
-        while len(drafts) < max_tokens:
-            child = self.best_child(node)
-            if child < 0:
-                break
-            prob *= count[child] / count[node]
-            if prob < min_prob:
-                break
-            drafts.append(tok[child])
-            score += prob
-            node = child
-        return drafts, score
-
-    def _new(self, parent: int, token: int) -> int:
-        self.count.append(0)
-        self.token.append(token)
-        self.best.append(_NONE)
-        return len(self.count) - 1
-
-    def _link_built(self, nodes: np.ndarray, first: np.ndarray, best: np.ndarray) -> None:
-        """`build`'s hook: nodes [num_nodes - 1] int64 grouped by parent (first [num_nodes - 1] bool: a group's
-        first, its parent's best child); best [num_nodes] int64. A plain tree keeps no child links."""
-
-
-class LinkedSuffixTree(SuffixTree):
-    """A `SuffixTree` whose nodes also link their children, in no order (first_child, next_sibling; -1 ends), for
-    the walks that visit them all: speculation trees, a best child's recount. Two array appends more per new node,
-    which a path-only proposer does not pay."""
-
-    def __init__(self, max_depth: int) -> None:
-        super().__init__(max_depth)
-        self.first_child = array("q", [-1])
-        self.next_sibling = array("q", [-1])
-
-    def speculation_tree(self, node: int, max_nodes: int, min_prob: float) -> tuple[list[int], list[int], float]:
-        """Up to `max_nodes` nodes below `node`, best first: each step takes the most probable node not yet taken
-        whose parent is `node` or taken (probability: the product of count(child) / count(parent) from `node`;
-        ties: the shallower, then the smaller tokens from `node` down), while it is >= min_prob. Returns its tokens
-        and parents in breadth-first order (by depth, then as taken): node j's (j >= 1) parent is parents[j - 1] <
-        j, 0 being `node`; and the score, the sum of their probabilities. A probability never grows downwards, so
-        this takes the max_nodes best of all nodes by (probability, depth, tokens)."""
-        count, tok, first_child, next_sibling = self.count, self.token, self.first_child, self.next_sibling
-        frontier: list[tuple[float, int, tuple[int, ...], int, int]] = []  # (-prob, depth, tokens, node, parent's pick)
-        taken: list[tuple[int, int, int]] = []  # (depth, parent's pick, token); pick i is taken[i - 1]
-        at, prob, depth, path, score = node, 1.0, 0, (), 0.0
-        while len(taken) < max_nodes:
-            child, total = first_child[at], count[at]  # the newest taken node's children join the frontier
-            while child >= 0:
-                p = prob * (count[child] / total)
-                if p >= min_prob:
-                    heapq.heappush(frontier, (-p, depth + 1, (*path, tok[child]), child, len(taken)))
-                child = next_sibling[child]
-            if not frontier:
-                break
-            neg_prob, depth, path, at, parent = heapq.heappop(frontier)
-            prob = -neg_prob
-            score += prob
-            taken.append((depth, parent, path[-1]))
-        order = sorted(range(1, len(taken) + 1), key=lambda i: taken[i - 1][0])  # stable: as taken within a depth
-        index = [0] * (len(taken) + 1)  # pick -> its node number
-        for j, pick in enumerate(order, start=1):
-            index[pick] = j
-        return [taken[i - 1][2] for i in order], [index[taken[i - 1][1]] for i in order], score
-
-    def _new(self, parent: int, token: int) -> int:
-        self.count.append(0)  # SuffixTree._new's, inline: a new node is most of `append`'s cost
-        self.token.append(token)
-        self.best.append(_NONE)
-        first_child = self.first_child
-        first_child.append(-1)
-        self.next_sibling.append(first_child[parent])
-        node = first_child[parent] = len(first_child) - 1
-        return node
-
-    def _link_built(self, nodes: np.ndarray, first: np.ndarray, best: np.ndarray) -> None:
-        next_sibling = np.full(len(best), -1, dtype=np.int64)  # each group linked in its order
-        next_sibling[nodes[:-1]] = np.where(first[1:], -1, nodes[1:])
-        self.first_child = array("q", best.tobytes())  # a group's first is its parent's best child (_NONE: -1)
-        self.next_sibling = array("q", next_sibling.tobytes())
-
-
-class CachedOutputsTree(LinkedSuffixTree):
-    """A `LinkedSuffixTree` whose sequences can also be removed (the global tree): a best child whose count went down is
-    recounted from the linked children, and removed nodes are reused."""
-
-    def __init__(self, max_depth: int) -> None:
-        super().__init__(max_depth)
-        self._free: list[int] = []
-
     def remove(self, tokens: list[int]) -> None:
         """Take out one occurrence of a sequence appended before: its substrings' counts go down, nodes left at 0
         go, and a parent whose best child lost a count recounts it when next asked."""
@@ -255,6 +126,19 @@ class CachedOutputsTree(LinkedSuffixTree):
                 self._unlink(parent, node)
             self._free.append(node)
 
+    def match(self, tokens: list[int]) -> list[int]:
+        """The nodes of the suffixes of `tokens` present in the tree, shortest first (each suffix of a present
+        string is present too, so they stop at the first one missing)."""
+        children, out = self.children, []
+        for m in range(1, len(tokens) + 1):
+            node = 0
+            for token in tokens[len(tokens) - m :]:
+                node = children.get(node << 32 | token, -1)
+                if node < 0:
+                    return out
+            out.append(node)
+        return out
+
     def best_child(self, node: int) -> int:
         b = self.best[node]
         if b != _STALE:
@@ -268,13 +152,51 @@ class CachedOutputsTree(LinkedSuffixTree):
         self.best[node] = b
         return b
 
+    def path(self, node: int, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
+        """Up to `max_tokens` tokens below `node` along the most frequent children, while the path's probability
+        (product of count(child) / count(parent)) stays >= min_prob; and its score, the sum of those probabilities."""
+        count, tok = self.count, self.token
+        drafts: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(drafts) < max_tokens:
+            child = self.best_child(node)
+            if child < 0:
+                break
+            prob *= count[child] / count[node]
+            if prob < min_prob:
+                break
+            drafts.append(tok[child])
+            score += prob
+            node = child
+        return drafts, score
+
+    def speculation_tree(self, node: int, max_nodes: int, min_prob: float) -> tuple[list[int], list[int], float]:
+        """`best_first` below `node`."""
+        count, tok, first_child, next_sibling = self.count, self.token, self.first_child, self.next_sibling
+
+        def children(at: int) -> list[tuple[int, int, int]]:
+            out, child = [], first_child[at]
+            while child >= 0:
+                out.append((tok[child], count[child], child))
+                child = next_sibling[child]
+            return out
+
+        return best_first(node, count[node], children, max_nodes, max_nodes, min_prob)
+
     def _new(self, parent: int, token: int) -> int:
-        if not self._free:
-            return super()._new(parent, token)
-        node = self._free.pop()
-        self.count[node], self.token[node], self.best[node], self.first_child[node] = 0, token, _NONE, -1
-        self.next_sibling[node] = self.first_child[parent]
-        self.first_child[parent] = node
+        first_child = self.first_child
+        if self._free:
+            node = self._free.pop()
+            self.count[node], self.token[node], self.best[node], first_child[node] = 0, token, _NONE, -1
+            self.next_sibling[node] = first_child[parent]
+        else:
+            self.count.append(0)
+            self.token.append(token)
+            self.best.append(_NONE)
+            first_child.append(-1)
+            self.next_sibling.append(first_child[parent])
+            node = len(first_child) - 1
+        first_child[parent] = node
         return node
 
     def _unlink(self, parent: int, node: int) -> None:
@@ -287,12 +209,123 @@ class CachedOutputsTree(LinkedSuffixTree):
         self.next_sibling[child] = self.next_sibling[node]
 
 
+def best_first(root: Any, root_count: int, children: Callable[[Any], list[tuple[int, int, Any]]], max_nodes: int,
+               max_depth: int, min_prob: float) -> tuple[list[int], list[int], float]:
+    """A speculation tree: up to `max_nodes` nodes below `root`, at most `max_depth` deep, best first: each step
+    takes the most probable node not yet taken whose parent is `root` or taken (probability: the product of
+    count(child) / count(parent) from `root`; ties: the shallower, then the smaller tokens from `root` down), while
+    it is >= min_prob. `children(node)` lists a node's children as (token, count, node), in any order. Returns its
+    tokens and parents in breadth-first order (by depth, then as taken): node j's (j >= 1) parent is parents[j - 1]
+    < j, 0 being `root`; and the score, the sum of their probabilities. A probability never grows downwards, so this
+    takes the max_nodes best of all nodes by (probability, depth, tokens)."""
+    frontier: list[tuple[float, int, tuple[int, ...], int, Any, int]] = []  # (-prob, depth, tokens, count, node, pick)
+    taken: list[tuple[int, int, int]] = []  # (depth, parent's pick, token); pick i is taken[i - 1]
+    at, total, prob, depth, path, score = root, root_count, 1.0, 0, (), 0.0
+    while len(taken) < max_nodes:
+        if depth < max_depth:  # the newest taken node's children join the frontier
+            for token, n, child in children(at):
+                p = prob * (n / total)
+                if p >= min_prob:
+                    heapq.heappush(frontier, (-p, depth + 1, (*path, token), n, child, len(taken)))
+        if not frontier:
+            break
+        neg_prob, depth, path, total, at, parent = heapq.heappop(frontier)
+        prob = -neg_prob
+        score += prob
+        taken.append((depth, parent, path[-1]))
+    order = sorted(range(1, len(taken) + 1), key=lambda i: taken[i - 1][0])  # stable: as taken within a depth
+    index = [0] * (len(taken) + 1)  # pick -> its node number
+    for j, pick in enumerate(order, start=1):
+        index[pick] = j
+    return [taken[i - 1][2] for i in order], [index[taken[i - 1][1]] for i in order], score
+
+
+class OwnText:
+    """A request's own prompt + output, searched directly instead of kept as a trie of its substrings: the trie node
+    of a string w (at most max_depth tokens) is the set of positions w ends at, its count their number, its children
+    the tokens that follow them (so best children, counts and probabilities are the trie's). An emitted token is a
+    list append, not max_depth node lookups; `matches` finds the text's suffixes once a step, vectorized."""
+
+    def __init__(self, tokens: list[int], max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.tokens = list(tokens)
+        # max_depth sentinels (-1, never a token) before the text: a window reaching past its start matches nothing
+        self._array = np.full(max_depth + 2 * len(tokens) + 64, -1, dtype=np.int64)
+        self._array[max_depth : max_depth + len(tokens)] = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        start = self.max_depth + len(self.tokens)
+        if start + len(tokens) > len(self._array):
+            self._array = np.r_[self._array[:start], np.full(start + 2 * len(tokens), -1, dtype=np.int64)]
+        self._array[start : start + len(tokens)] = tokens
+        self.tokens += tokens
+
+    def matches(self) -> tuple[list[int], list[int]]:
+        """The positions the text's last m tokens end at, for each m in 1 .. M = min(len, max_depth - 1): `ends`, the
+        ends of its last token ordered by how many tokens before them match too, most first, and `num` [M + 1]: the
+        last m tokens end at ends[: num[m]]."""
+        length, depth, text = len(self.tokens), self.max_depth, self._array
+        most = min(length, depth - 1)
+        if most == 0:  # depth 1: no match length to draft from
+            return [], [0]
+        ends = np.flatnonzero(text[depth : depth + length] == self.tokens[-1])  # [E], positions in the text
+        back = np.arange(most)
+        window = text[depth + ends[:, None] - back]  # [E, M]: the tokens ending at each, newest first
+        same = window == text[depth + length - 1 - back]
+        matched = np.where(same.all(axis=1), most, same.argmin(axis=1))  # [E]: how many of the last tokens match
+        order = np.argsort(-matched, kind="stable")
+        num = np.cumsum(np.bincount(matched, minlength=most + 1)[::-1])[::-1]  # num[m]: how many match >= m
+        return ends[order].tolist(), num.tolist()
+
+    def path(self, ends: list[int], max_tokens: int, min_prob: float) -> tuple[list[int], list[float]]:
+        """`SuffixTree.path` below the string ending at `ends`: its tokens, and the score of each prefix of them
+        (scores[j]: of the first j, summed in order as `SuffixTree.path` sums)."""
+        tokens, length = self.tokens, len(self.tokens)
+        drafts: list[int] = []
+        scores = [0.0]
+        prob = 1.0
+        while len(drafts) < max_tokens:
+            follow = self._children(ends, tokens, length)
+            if not follow:
+                break
+            token = min(follow, key=lambda t: (-len(follow[t]), t))  # the most frequent, then the smaller token
+            prob *= len(follow[token]) / len(ends)
+            if prob < min_prob:
+                break
+            drafts.append(token)
+            scores.append(scores[-1] + prob)
+            ends = follow[token]
+        return drafts, scores
+
+    def speculation_tree(self, ends: list[int], max_nodes: int, max_depth: int,
+                         min_prob: float) -> tuple[list[int], list[int], float]:
+        """`best_first` below the string ending at `ends`."""
+        tokens, length = self.tokens, len(self.tokens)
+
+        def children(at: list[int]) -> list[tuple[int, int, list[int]]]:
+            return [(token, len(below), below) for token, below in self._children(at, tokens, length).items()]
+
+        return best_first(ends, len(ends), children, max_nodes, max_depth, min_prob)
+
+    @staticmethod
+    def _children(ends: list[int], tokens: list[int], length: int) -> dict[int, list[int]]:
+        """The children of the string ending at `ends`: token -> where the string extended by it ends."""
+        follow: dict[int, list[int]] = {}
+        for end in ends:
+            if end + 1 < length:
+                follow.setdefault(tokens[end + 1], []).append(end + 1)
+        return follow
+
+
 class FinishedOutputs:
     """The global tree: the outputs of the last `max_requests` finished requests, evicted first in, first out.
     `version` changes with every change of the tree (a live request's match in it is then redone)."""
 
     def __init__(self, max_depth: int, max_requests: int) -> None:
-        self.tree = CachedOutputsTree(max_depth)
+        self.tree = SuffixTree(max_depth)
         self.max_requests = max_requests
         self.outputs: OrderedDict[str, list[int]] = OrderedDict()
         self.version = 0
@@ -314,10 +347,7 @@ class _Live:
     """A live request's drafting state."""
 
     request: Request
-    tree: SuffixTree  # its prompt + output
-    suffixes: list[int]  # its nodes there: index m - 1 holds its last m tokens
-    tail: list[int]  # its last max_depth - 1 tokens: the longest pattern matched in the global tree
-    num_tokens: int  # tokens in `tree`
+    text: OwnText  # its prompt + output
     cached: list[int]  # the global tree's nodes of its last 1 .. M tokens, as of `version`
     version: int
 
@@ -335,6 +365,8 @@ class SuffixProposer(Proposer):
         self.token_tree = OwnTrees(num_speculative_tokens, num_speculative_tokens) if speculation_trees else None
         self.finished = FinishedOutputs(max_tree_depth, max_cached_requests)
         self._live: dict[str, _Live] = {}
+        # per match length m: at most min(k, floor(m * factor)) drafts
+        self._limits = [min(num_speculative_tokens, int(m * max_spec_factor + 1e-6)) for m in range(max_tree_depth)]
 
     def propose(self, outcome: StepOutcome) -> Drafts:
         # `emitted` is not yet appended to the requests; a request that emitted nothing (a prompt chunk short of the
@@ -344,10 +376,9 @@ class SuffixProposer(Proposer):
             if not emitted:
                 continue
             live = self._live.get(req.request_id)
-            if live is None or live.num_tokens != req.num_known_tokens:  # first drafts (again, after a preemption)
-                live = self._live[req.request_id] = self._start(req)
-            for token in emitted:
-                self._append(live, token)
+            if live is None or len(live.text) != req.num_known_tokens:  # first drafts (again, after a preemption)
+                live = self._live[req.request_id] = _Live(req, OwnText(req.all_token_ids, self.max_tree_depth), [], -1)
+            self._append(live, emitted)
             index.append(i)
             drafted.append(self._draft(live))
         k, device = self.num_speculative_tokens, outcome.input_ids.device
@@ -362,19 +393,12 @@ class SuffixProposer(Proposer):
             if live is not None and live.request.is_finished and live.request.finish_reason != "error":
                 self.finished.add(req_id, list(live.request.output_token_ids))
 
-    def _start(self, req: Request) -> _Live:
-        tokens = req.all_token_ids
-        tree = SuffixTree(self.max_tree_depth) if self.token_tree is None else LinkedSuffixTree(self.max_tree_depth)
-        tail = tokens[max(0, len(tokens) - self.max_tree_depth + 1) :]
-        return _Live(req, tree, tree.build(tokens), tail, len(tokens), [], -1)
-
-    def _append(self, live: _Live, token: int) -> None:
-        live.suffixes = live.tree.append(live.suffixes, token)
-        live.num_tokens += 1
-        live.tail.append(token)
-        del live.tail[: max(0, len(live.tail) - self.max_tree_depth + 1)]
-        if live.version == self.finished.version:  # one token on in the global tree too (else `_draft` matches anew)
-            children = self.finished.tree.children
+    def _append(self, live: _Live, tokens: list[int]) -> None:
+        live.text.extend(tokens)
+        if live.version != self.finished.version:  # `_draft` matches anew
+            return
+        children = self.finished.tree.children
+        for token in tokens:  # the global match moves on token by token
             cached = []
             for parent in (0, *live.cached[: self.max_tree_depth - 2]):
                 node = children.get(parent << 32 | token, -1)
@@ -386,24 +410,44 @@ class SuffixProposer(Proposer):
     def _draft(self, live: _Live) -> tuple[list[int], list[int] | None]:
         """The best-scoring drafts over every (tree, match length): tokens, and a speculation tree's parents (node j's
         is parents[j - 1]; 0: the request's newest token) or None for a path."""
-        finished = self.finished
+        finished, text, depth = self.finished, live.text, self.max_tree_depth
         if live.version != finished.version:
-            live.cached, live.version = finished.tree.match(live.tail), finished.version
-        k, factor, min_prob = self.num_speculative_tokens, self.max_spec_factor, self.min_token_prob
+            tail = text.tokens[max(0, len(text) - depth + 1) :]  # the longest pattern matched in the global tree
+            live.cached, live.version = finished.tree.match(tail), finished.version
+        limits, min_prob = self._limits, self.min_token_prob
         best: tuple[list[int], list[int] | None] = ([], None if self.token_tree is None else [])
         best_score = 0.0
-        for tree, nodes in ((live.tree, live.suffixes), (finished.tree, live.cached)):
-            for m in range(min(len(nodes), self.max_tree_depth - 1), 0, -1):  # longest match first
-                limit = min(k, int(m * factor + 1e-6))
-                if limit <= best_score:  # its score is at most `limit`: it cannot win
-                    continue
-                if self.token_tree is None:
-                    tokens, score = tree.path(nodes[m - 1], limit, min_prob)
-                    parents = None
-                else:
-                    tokens, parents, score = tree.speculation_tree(nodes[m - 1], limit, min_prob)
-                if score > best_score:
-                    best, best_score = (tokens, parents), score
+        ends, num = text.matches()
+        low = list(range(len(num)))  # low[m]: the shortest match length whose ends are those of m
+        for m in range(2, len(num)):
+            if num[m] == num[m - 1]:
+                low[m] = low[m - 1]
+        walks: dict[int, tuple[list[int], list[float]]] = {}  # num[m] -> the path below those ends, shared by those m
+        for m in range(len(num) - 1, 0, -1):  # own text, longest match first
+            limit = limits[m]
+            if limit <= best_score:  # its score is at most `limit`: it cannot win
+                continue
+            if self.token_tree is None:
+                if num[m] not in walks:  # as long as any shorter m of these ends can take (the trie: depth - m)
+                    walks[num[m]] = text.path(ends[: num[m]], min(limit, depth - low[m]), min_prob)
+                tokens, scores = walks[num[m]]
+                n = min(limit, depth - m, len(tokens))
+                tokens, parents, score = tokens[:n], None, scores[n]
+            else:
+                tokens, parents, score = text.speculation_tree(ends[: num[m]], limit, depth - m, min_prob)
+            if score > best_score:
+                best, best_score = (tokens, parents), score
+        for m in range(min(len(live.cached), depth - 1), 0, -1):  # the global tree, longest match first
+            limit = limits[m]
+            if limit <= best_score:
+                continue
+            node = live.cached[m - 1]
+            if self.token_tree is None:
+                (tokens, score), parents = finished.tree.path(node, limit, min_prob), None
+            else:
+                tokens, parents, score = finished.tree.speculation_tree(node, limit, min_prob)
+            if score > best_score:
+                best, best_score = (tokens, parents), score
         return best
 
 

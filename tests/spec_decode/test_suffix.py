@@ -2,7 +2,8 @@
 
 Invariants:
 - A tree counts every substring of at most max_depth tokens (its occurrences) and knows each node's most frequent
-  child (ties: the smaller token), built token by token or at once; removing a sequence leaves the tree of the rest.
+  child (ties: the smaller token); removing a sequence leaves the tree of the rest. A request's own text finds where
+  its last m tokens end (the trie node it stands for).
 - Drafts equal a brute-force reference: for every match length m of the request's last tokens in its own tree or the
   global one, the most-frequent-child path while its probability (count ratios) >= min_token_prob, at most
   min(k, floor(m * max_spec_factor)) tokens; the highest sum of probabilities wins (ties: own tree, longer match).
@@ -30,7 +31,7 @@ from research_lm import LLM, SamplingParams
 from research_lm.engine.request import Request, RequestStatus
 from research_lm.worker.spec import Drafts, StepOutcome, check_speculative_config
 from research_lm.worker.token_tree import OwnTrees
-from spec_decode.suffix import CachedOutputsTree, LinkedSuffixTree, SuffixTree, build_proposer
+from spec_decode.suffix import OwnText, SuffixTree, build_proposer
 from tests.engine.test_spec_greedy_identity import _repetitive_prompts
 
 seqs = st.lists(st.integers(0, 3), min_size=0, max_size=30)
@@ -74,17 +75,28 @@ def test_tree_counts_substrings_and_best_children(sequences, depth):
         assert [tree.count[n] for n in suffixes] == [so_far[tuple(s[len(s) - m :])][0]
                                                      for m in range(1, min(depth, len(s)) + 1)]
     assert canonical(tree) == brute_force(sequences, depth)
-    built = SuffixTree(depth)
-    suffixes = built.build(sequences[0])
-    assert canonical(built) == brute_force(sequences[:1], depth)
-    assert suffixes == built.match(sequences[0][len(sequences[0]) - min(depth, len(sequences[0])) :])
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.lists(st.integers(0, 3), min_size=1, max_size=30), more=seqs, depth=st.integers(1, 6))
+def test_own_text_finds_where_its_suffixes_end(text, more, depth):
+    """The ends of the last m tokens (m < depth), each set a prefix of one list, however the text grew."""
+    own = OwnText(text, depth)
+    for token in more:
+        own.extend([token])
+        text = [*text, token]
+    ends, num = own.matches()
+    assert len(num) == min(len(text), depth - 1) + 1
+    for m in range(1, len(num)):
+        want = [e for e in range(m - 1, len(text)) if text[e - m + 1 : e + 1] == text[len(text) - m :]]
+        assert sorted(ends[: num[m]]) == want
 
 
 @settings(max_examples=150, deadline=None)
 @given(sequences=st.lists(seqs, min_size=1, max_size=5), removed=st.lists(st.integers(0, 4), max_size=4),
        depth=st.integers(1, 5))
 def test_removing_sequences_leaves_the_tree_of_the_rest(sequences, removed, depth):
-    tree = CachedOutputsTree(depth)
+    tree = SuffixTree(depth)
     for s in sequences:
         tree.extend(s)
     gone = sorted({i % len(sequences) for i in removed})
@@ -194,7 +206,7 @@ def reference_tree_drafts(own: list[int], cached: list[list[int]], depth: int, k
 def test_speculation_tree_takes_nodes_best_first():
     """Below [1] in 1 2 5 1 2 6 1 3 7 1 2 5: 2 (3/4), 2 5 (1/2), then four at 1/4: 3, 2 6 and 3 7 (depth 2: the
     smaller tokens first), 2 5 1; nodes breadth-first, each parent before its children."""
-    tree = LinkedSuffixTree(24)
+    tree = SuffixTree(24)
     tree.extend([1, 2, 5, 1, 2, 6, 1, 3, 7, 1, 2, 5])
     node = tree.children[1]  # the root's child 1: key 0 << 32 | 1
     for limit, min_prob, want in [(5, 0.2, ([2, 3, 5, 6, 7], [0, 0, 1, 1, 2], 2.0)),
@@ -209,25 +221,30 @@ def test_speculation_tree_takes_nodes_best_first():
 @given(sequences=st.lists(seqs, min_size=1, max_size=4), removed=st.lists(st.integers(0, 3), max_size=2),
        depth=st.integers(1, 5), limit=st.integers(0, 8), min_prob=st.sampled_from([0.0, 0.1, 0.3]))
 def test_speculation_trees_equal_the_brute_force_reference(sequences, removed, depth, limit, min_prob):
-    """Below every string of a tree grown token by token, one built at once, and a global tree after removals (its
-    children relinked and freed nodes reused)."""
-    extended, built, cached = LinkedSuffixTree(depth), LinkedSuffixTree(depth), CachedOutputsTree(depth)
+    """Below every string of a tree grown token by token, a global tree after removals (its children relinked and
+    freed nodes reused), and a request's own text (the string's ends in it, the tree at most depth - |string| deep)."""
+    extended, cached = SuffixTree(depth), SuffixTree(depth)
     for s in sequences:
         extended.extend(s)
         cached.extend(s)
-    built.build(sequences[0])
     gone = {i % len(sequences) for i in removed}
     for i in sorted(gone):
         cached.remove(sequences[i])
     cached.extend(sequences[0])
     rest = [s for i, s in enumerate(sequences) if i not in gone] + sequences[:1]
-    for tree, sources in ((extended, sequences), (built, sequences[:1]), (cached, rest)):
+    for tree, sources in ((extended, sequences), (cached, rest)):
         for match in brute_force(sources, depth):
             node = 0
             for token in match:
                 node = tree.children[node << 32 | token]
             assert tree.speculation_tree(node, limit, min_prob) == reference_tree(sources, match, depth, limit,
                                                                                   min_prob)
+    text = sequences[0]
+    own = OwnText(text, depth)
+    for match in filter(None, brute_force([text], depth)):  # the proposer matches one token at least
+        ends = [e for e in range(len(match) - 1, len(text)) if text[e - len(match) + 1 : e + 1] == list(match)]
+        assert own.speculation_tree(ends, limit, depth - len(match), min_prob) == reference_tree([text], match, depth,
+                                                                                                 limit, min_prob)
 
 
 def _drafts(proposer, requests: list[Request], emitted: list[list[int]]) -> dict[str, tuple[list[int], list[int]]]:
