@@ -449,6 +449,21 @@ class DraftGraphs:
         kept = [[x for e, n, c in spans for x in flat[e - n + c : e]] for flat in rows]
         return cut, early, kept
 
+    def enter(self, block_table: torch.Tensor, rows: Sequence[int], starts: Sequence[int], lens: Sequence[int],
+              tokens: Sequence[int], budgets: Sequence[int], catch_up: Callable[..., Any], *,
+              features: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+              feature_rows: Sequence[int] | None = None, sampling: DraftSampling | None = None) -> Any:
+        """`run` over any entries: those longer than the graphs serve first write the drafter's KV for all but their
+        last rows through `catch_up` (rows, starts, lens, tokens[, feature_rows]: an eager entry forward; `split`)."""
+        cut, early, kept = self.split(lens, *([tokens] if feature_rows is None else [tokens, feature_rows]))
+        if any(cut):
+            long = [i for i, c in enumerate(cut) if c]
+            catch_up([rows[i] for i in long], [starts[i] for i in long], [cut[i] for i in long], *early)
+            starts = [s + c for s, c in zip(starts, cut, strict=True)]
+            lens = [n - c for n, c in zip(lens, cut, strict=True)]
+        return self.run(block_table, rows, kept[0], starts, lens, budgets, features=features,
+                        feature_rows=None if feature_rows is None else kept[1], sampling=sampling)
+
     @torch.inference_mode()
     def run(
         self,

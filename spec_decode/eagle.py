@@ -398,9 +398,8 @@ class EagleProposer(Proposer):
         drafting = start_drafting(outcome.requests, outcome.emitted, self.token_tree.depth, self.max_model_len)
         span = self._entry_span(outcome)
         if self.tree_graphs is not None and self.tree_graphs.serves(len(span[0])):  # the entry and the levels
-            budget = dict(zip(drafting.index, drafting.budget, strict=True))
             tokens, parents = self.tree_graphs.run(
-                outcome.common.block_table, *span, [budget.get(i, 0) for i in span[0]], drafting.index,
+                outcome.common.block_table, *span, drafting.budgets_of(span[0]), drafting.index,
                 catch_up=lambda *rows: self._entry(outcome, *rows),
                 features=lambda rows, out: self._target_features(outcome, rows, out))
             if not drafting.index:

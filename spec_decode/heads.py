@@ -291,6 +291,11 @@ class Drafting:
             out.positions.append(0 if a is None else len(self.requests[a].output_token_ids) + len(self.emitted[a]))
         return out
 
+    def budgets_of(self, batch_rows: Sequence[int]) -> list[int]:
+        """Each of these step rows' draft budget (0: it drafts nothing this step)."""
+        budget = dict(zip(self.index, self.budget, strict=True))
+        return [budget.get(i, 0) for i in batch_rows]
+
     def replay(
         self,
         graphs: DraftGraphs,
@@ -307,18 +312,9 @@ class Drafting:
         """Draft the whole step from `graphs`. Entries longer than the graphs serve (prompts past the prompt
         graphs, chunks beside other requests) first write the drafter's KV for all but their last rows through
         `catch_up`, eagerly (`DraftGraphs.split`)."""
-        cut, early, kept = graphs.split(lens, *([tokens] if feature_rows is None else [tokens, feature_rows]))
-        if any(cut):
-            long = [i for i, c in enumerate(cut) if c]
-            catch_up([batch_rows[i] for i in long], [starts[i] for i in long], [cut[i] for i in long], *early)
-            starts = [s + c for s, c in zip(starts, cut, strict=True)]
-            lens = [n - c for n, c in zip(lens, cut, strict=True)]
-        budget = dict(zip(self.index, self.budget, strict=True))
-        probs = graphs.run(
-            block_table, batch_rows, kept[0], starts, lens, [budget.get(i, 0) for i in batch_rows],
-            features=features, feature_rows=None if feature_rows is None else kept[1],
-            sampling=self.sampling(batch_rows) if rule == "sample" else None,
-        )
+        probs = graphs.enter(block_table, batch_rows, starts, lens, tokens, self.budgets_of(batch_rows), catch_up,
+                             features=features, feature_rows=feature_rows,
+                             sampling=self.sampling(batch_rows) if rule == "sample" else None)
         by_row = {i: r for r, i in enumerate(batch_rows)}
         self.left_on_device(graphs, by_row)
         if probs is not None:

@@ -118,14 +118,8 @@ class TreeGraphs:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [len(drafting), N] int64 tokens; a dynamic tree's parents
         """Replay the step's graph (entry and levels); the host issues only copies, and the eager entry forward of
         the first rows of entries longer than the graphs serve (`DraftGraphs.split`)."""
-        cut, early, (tokens, feature_rows) = self.graphs.split(lens, tokens, feature_rows)
-        if any(cut):
-            long = [i for i, c in enumerate(cut) if c]
-            catch_up([rows[i] for i in long], [starts[i] for i in long], [cut[i] for i in long], *early)
-            starts = [s + c for s, c in zip(starts, cut, strict=True)]
-            lens = [n - c for n, c in zip(lens, cut, strict=True)]
-        drafts, parents = self.graphs.run(block_table, rows, tokens, starts, lens, budgets, features=features,
-                                          feature_rows=feature_rows)
+        drafts, parents = self.graphs.enter(block_table, rows, starts, lens, tokens, budgets, catch_up,
+                                            features=features, feature_rows=feature_rows)
         by_row = {r: i for i, r in enumerate(rows)}
         index = [by_row[r] for r in drafting]
         # copies: the next replay overwrites the graph's outputs

@@ -19,7 +19,6 @@ from research_lm.worker.token_tree import tree_tables
 from research_lm.worker.tree_verification import (
     accept_tree_greedily,
     chain_parents,
-    tree_depths,
     tree_rejection_sample,
 )
 from research_lm.worker.verification import accept_greedily
@@ -88,7 +87,7 @@ def test_greedy_equals_naive_walk(shape, per_request, masks):
     tokens = torch.randint(0, 3, (n, width), generator=gen)
     target = torch.randint(0, 3, (n, width), generator=gen)
     num_real = torch.randint(0, width + 2, (n,), generator=gen)
-    max_depth = int(tree_depths(parents).max())
+    max_depth = int(tree_tables(parents)[0].max())
     bits = tree_tables(parents)[1] if masks else None
     emitted, num_emitted, path = accept_tree_greedily(tokens, parents if per_request else parents[0], target,
                                                       num_real, bits=bits)

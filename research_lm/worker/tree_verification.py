@@ -70,11 +70,6 @@ def chain_parents(k: int) -> torch.Tensor:  # [k + 1] int64: -1, 0, 1, ..., k - 
     return torch.arange(-1, k, dtype=torch.int64)
 
 
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:  # [n, N + 1] int64 -> [n, N + 1] int64
-    """depth(0) = 0, depth(j) = depth(parent(j)) + 1 (`token_tree.tree_tables`)."""
-    return tree_tables(parents)[0]
-
-
 def _tables(parents: torch.Tensor, depths: torch.Tensor | None,
             bits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # [n, N + 1] each
     """The trees' depths and ancestor masks: as given (a static tree's [N + 1] expand), else from parents."""
