@@ -221,7 +221,7 @@ def _generate(llm, record_keys: bool = False) -> tuple[list[list[int]], list[tup
 
 
 @pytest.mark.skipif(not ON_CPU, reason="the Triton interpreter variant; the GPU test covers CUDA")
-@pytest.mark.parametrize("model", ["mamba2", "bamba"])
+@pytest.mark.parametrize("model", ["bamba"])  # (Bamba's Mamba2 layers are mamba2's: 30 s of CI; both on the GPU)
 def test_engine_graph_replays_match_eager_on_cpu(tiny_checkpoint, model):
     """Tiny Mamba2 (and Bamba, whose attention layers share the graphs) through the runner's graphs
     (`eager_capture`: re-runs over the same buffers): padded decode batches, prompts shorter than their prefill

@@ -133,6 +133,19 @@ def test_write_drafts_by_hand(fn):
     assert num_tokens.tolist() == [2, 5, 4]
 
 
+@pytest.mark.parametrize("fn", [write_drafts_ref, write_drafts], ids=["reference", "kernel"])
+def test_one_draft_per_row_transposed_from_a_chain_buffer(fn):
+    """k = 1 (MTP's one layer): the drafts arrive as a [1, n] chain buffer transposed, [n, 1] with column stride n,
+    which `contiguous()` leaves as it is (session 31: the GPU capture of MTP's k = 1 graphs failed on it)."""
+    dev = device()
+    token_ids = torch.zeros(3, 6, dtype=torch.int32, device=dev)
+    num_tokens = torch.tensor([2, 5, 4], dtype=torch.int32, device=dev)
+    drafts = torch.tensor([[7, 9, 5]], device=dev).t().contiguous()
+    assert drafts.stride() == (1, 3)
+    fn(token_ids, num_tokens, torch.tensor([2, -1, 1], device=dev), drafts)
+    assert token_ids.tolist() == [[0] * 6, [0, 0, 0, 0, 0, 5], [0, 0, 0, 0, 7, 0]]
+
+
 def _rows_case(gen: torch.Generator, n: int, m: int, r: int = R, w: int = 12):
     """n requests on distinct random rows (every third skipped), rows filled up to near or at their width w."""
     rows = torch.randperm(r, generator=gen)[:n]

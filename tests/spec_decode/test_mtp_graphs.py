@@ -1,0 +1,40 @@
+"""MTP drafting from draft graphs (CPU: `eager_capture` re-runs over the graphs' buffers, kernels under the
+interpreter): the graph path must draft what the eager path drafts. k = 1: session 31's GPU sweep (spec_mtp_h200)
+failed capturing MTP's k = 1 graphs (a [n, 1] drafts buffer's column stride, tests/ops/test_step_inputs.py), and
+on CPU the eager re-run of a graph's padded rows reached MLA's naive prefill with an empty context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from research_lm import LLM, SamplingParams
+from tests.spec_decode.test_draft_graphs import _run, _with_verify_graphs
+from tests.spec_decode.test_mtp import write_mtp_checkpoint
+
+KNOBS = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+             num_gpu_blocks=40, max_model_len=48, attention_backend="triton", mla_backend="mla_triton",
+             enable_prefix_caching=False, cuda_graphs=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant")
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
+    "open (session 31): the graph's second MTP draft differs from the eager one on CPU; unknown yet whether the "
+    "CPU stand-in (MLA's eager metadata re-run over graph buffers) or the chain step is wrong")))])
+def test_mtp_drafts_from_graphs_as_eagerly(k, tiny_checkpoint, tmp_path, monkeypatch):
+    import tests.spec_decode.test_draft_graphs as dg
+
+    monkeypatch.setattr(dg, "K", k)
+    path = tmp_path / "target"
+    write_mtp_checkpoint(tiny_checkpoint("deepseek-v2"), path, own_embed_head=False, indexed=True, seed=11,
+                         first_k_dense_replace=3)
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    eager = LLM(str(path), speculative_config=spec, **KNOBS)
+    llm = LLM(str(path), speculative_config=spec, **KNOBS)
+    _with_verify_graphs(llm)
+    prompts = [[3, 5, 7, 11, 13], [2, 4, 6, 8, 10, 12, 14, 16, 18], [9, 9, 9, 1, 2, 3, 4]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 7, 5)]
+    want, want_proposals, _ = _run(eager, prompts, params)
+    got, proposals, _ = _run(llm, prompts, params)
+    assert got == want
+    assert proposals == want_proposals
