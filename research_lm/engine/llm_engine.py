@@ -134,8 +134,9 @@ class LLMEngine:
             disable_by_batch_size=(config.speculative_config or {}).get("disable_by_batch_size"),
         )
         k = proposer.num_speculative_tokens if proposer is not None else 0
+        tree = proposer.token_tree if proposer is not None else None
         self.spec_policy = build_policy((config.speculative_config or {}).get("speculation_policy"), k,
-                                        distributed=self.ranks is not None)
+                                        distributed=self.ranks is not None, depth=tree.depth if tree else None)
         self._draft_cap = k  # the cap of the drafts the last launched step wrote: the next step verifies under it
         self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling, device)
         self._in_flight: PendingStep | None = None  # async scheduling: the launched, uncollected step

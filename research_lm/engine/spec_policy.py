@@ -9,7 +9,8 @@ a chain's length, a token tree's node count; a cap keeps a chain's first drafts 
 breadth-first subtree). Per batch-size bucket (powers of two) and arm it keeps discounted sums of the tokens its steps
 emitted (and their squares) and of their seconds. After `warmup` steps of every arm it picks by Thompson sampling: a
 draw of each arm's mean tokens per step from a normal around the measured mean (its variance at least that of a
-uniform count over 1 .. arm + 1 per request, so that a few unlucky early steps never look certain), over its mean
+uniform count over 1 .. reach + 1 per request, reach the most drafts the arm's step can accept (its cap, at most
+a tree's depth), so that a few unlucky early steps never look certain), over its mean
 seconds per step; the highest wins. Every step discounts the sums of the arm it measured (`decay`) and, ten times
 more slowly, the bucket's other arms', so an arm not chosen for a while grows uncertain and is drawn again: a change of
 acceptance (another part of the workload) is seen. Aged at the full rate, a dear arm (a 16-node tree's step costs ~9
@@ -67,9 +68,11 @@ class SpeculationPolicy:
 class AdaptivePolicy(SpeculationPolicy):
     measures = True
 
-    def __init__(self, num_speculative_tokens: int = 1, warmup: int = 2, decay: float = 0.005, seed: int = 0):
+    def __init__(self, num_speculative_tokens: int = 1, warmup: int = 2, decay: float = 0.005, seed: int = 0,
+                 depth: int | None = None):
         k = num_speculative_tokens
         self.arms = sorted({0, k} | {1 << i for i in range(k.bit_length()) if 1 << i < k})  # 0, 1, 2, 4, ..., k
+        self.depth = k if depth is None else depth  # the most drafts one step can accept: a tree's longest path
         self.warmup, self.decay = warmup, decay
         self.buckets: dict[int, _Bucket] = {}
         self.rng = random.Random(seed)  # the draws: the same decisions for the same measurements
@@ -89,7 +92,9 @@ class AdaptivePolicy(SpeculationPolicy):
         """Tokens per second with the mean tokens per step drawn from its posterior."""
         n, tokens, squares, seconds = sums
         mean = tokens / n
-        variance = max(squares / n - mean * mean, batch_size * (arm + 1) ** 2 / 12)
+        # (a tree arm of 16 nodes emits at most depth + 1 tokens a request: a floor from its node count kept a
+        # 16-node tree's step, ~9 plain ones, drawn in ~1 % of steps long after it had lost; spec_tree_h200, session 31)
+        variance = max(squares / n - mean * mean, batch_size * (min(arm, self.depth) + 1) ** 2 / 12)
         return (mean + math.sqrt(variance / n) * self.rng.gauss(0.0, 1.0)) / (seconds / n)
 
     def record(self, batch_size: int, arm: int, num_tokens: int, seconds: float) -> None:
@@ -120,15 +125,18 @@ class AdaptivePolicy(SpeculationPolicy):
         return tokens / seconds
 
 
-POLICIES = {"always": lambda k: SpeculationPolicy(), "adaptive": AdaptivePolicy}  # name -> (k) -> policy
+POLICIES = {"always": lambda k, depth: SpeculationPolicy(),
+            "adaptive": lambda k, depth: AdaptivePolicy(k, depth=depth)}  # name -> (k, depth) -> policy
 
 
-def build_policy(name: str | None, num_speculative_tokens: int, distributed: bool = False) -> SpeculationPolicy:
-    """num_speculative_tokens: the drafts (a tree's nodes) per request and step, k. distributed: several ranks run the
-    same schedule, which the adaptive policy's per-rank timings could split."""
+def build_policy(name: str | None, num_speculative_tokens: int, distributed: bool = False,
+                 depth: int | None = None) -> SpeculationPolicy:
+    """num_speculative_tokens: the drafts (a tree's nodes) per request and step, k; depth: the most of them one step
+    can accept (a tree's longest path; None: k, a chain). distributed: several ranks run the same schedule, which the
+    adaptive policy's per-rank timings could split."""
     if (name or "always") not in POLICIES:
         raise ValueError(f"unknown speculation_policy {name!r}; choose one of {sorted(POLICIES)}")
     if name == "adaptive" and distributed:
         raise ValueError("speculation_policy='adaptive' decides from each rank's own step times, so ranks could "
                          "decide apart; with several ranks (tensor or expert parallelism) use 'always'")
-    return POLICIES[name or "always"](num_speculative_tokens)
+    return POLICIES[name or "always"](num_speculative_tokens, depth)

@@ -66,11 +66,12 @@ def test_adaptive_policy_is_within_5_percent_of_the_best_fixed_cap_in_simulation
 def test_a_dear_arm_is_rarely_drawn_again():
     """spec_tree_h200's batch-1 case in simulation: plain steps of 0.49 ms against tree steps of 1.5-4.6 ms that
     emit up to 5 tokens. Aging every arm at the full rate redrew the tree arms in ~10 % of steps (0.82x plain over
-    1000 steps); aged slowly while not chosen they stay rare (~0.91x)."""
+    1000 steps); aged slowly while not chosen they stay rare (~0.91x); with the variance floor of a step that emits
+    at most depth + 1 = 5 tokens, not 17, rarer still (~0.95x; 0.976x over 4000 steps, most of the rest warm-up)."""
     import random
 
     def run(seed: int) -> float:
-        policy, rng, tokens, seconds = AdaptivePolicy(16, seed=seed), random.Random(seed), 0, 0.0
+        policy, rng, tokens, seconds = AdaptivePolicy(16, seed=seed, depth=4), random.Random(seed), 0, 0.0
         for _ in range(1000):
             arm = policy.choose(1)
             arm = 16 if arm is None else arm
@@ -83,7 +84,7 @@ def test_a_dear_arm_is_rarely_drawn_again():
         return tokens / seconds * 0.49e-3  # over plain decoding's rate
 
     ratios = [run(seed) for seed in range(6)]
-    assert sum(ratios) / len(ratios) >= 0.88, ratios
+    assert sum(ratios) / len(ratios) >= 0.94, ratios
 
 
 def test_engine_with_adaptive_policy_keeps_greedy_outputs(tiny_checkpoint):
