@@ -110,9 +110,11 @@ DraftForward = Callable[[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tenso
 def graph_metadata(backends: dict[str, Any], qsl: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
                    block_table: torch.Tensor, request_rows: torch.Tensor, num_tokens: int, max_query_len: int,
                    max_seq_len: int, block_size: int, tree_bits: torch.Tensor | None = None) -> dict[str, Any]:
-    """Each backend's metadata (name -> its own) over a graph's persistent buffers, built once at capture: a replay
-    reads the buffers' values of then (query_start_loc [B + 1], seq_lens [B] int32, slot_mapping [T] int64, block
-    table rows [B, blocks], request rows [B] int32, token-tree masks [T] int64 or None)."""
+    """Each backend's graph metadata (name -> its own, `build_graph_metadata`: the capture hook) over a graph's
+    persistent buffers, built once at capture: a replay reads the buffers' values of then (query_start_loc [B + 1],
+    seq_lens [B] int32, slot_mapping [T] int64, block table rows [B, blocks], request rows [B] int32, token-tree masks
+    [T] int64 or None). (`build_metadata` here planned MLA's prefill / decode split on the host at capture, which a
+    replay of other lengths then reused: MTP's second draft differed from the eager one, session 31.)"""
     num_reqs = len(seq_lens)
     common = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
@@ -120,7 +122,7 @@ def graph_metadata(backends: dict[str, Any], qsl: torch.Tensor, seq_lens: torch.
         slot_mapping=slots, request_rows=request_rows, num_reqs=num_reqs, num_tokens=num_tokens,
         max_query_len=max_query_len, max_seq_len=max_seq_len, block_size=block_size, tree_bits=tree_bits,
     )
-    return {name: b.build_metadata(common) for name, b in backends.items()}
+    return {name: b.build_graph_metadata(common) for name, b in backends.items()}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """MTP drafting from draft graphs (CPU: `eager_capture` re-runs over the graphs' buffers, kernels under the
-interpreter): the graph path must draft what the eager path drafts. k = 1: session 31's GPU sweep (spec_mtp_h200)
-failed capturing MTP's k = 1 graphs (a [n, 1] drafts buffer's column stride, tests/ops/test_step_inputs.py), and
-on CPU the eager re-run of a graph's padded rows reached MLA's naive prefill with an empty context."""
+interpreter): the graph path must draft what the eager path drafts. Session 31 found three bugs here: the GPU capture
+of MTP's k = 1 graphs failed on a [n, 1] drafts buffer's column stride (tests/ops/test_step_inputs.py); the draft
+graphs built MLA's step metadata instead of its graph metadata, so a replay reused the capture's host-planned
+prefill / decode split (k = 2: the second draft differed); and that split sent a graph's padded rows into MLA's naive
+prefill with an empty context."""
 
 from __future__ import annotations
 
@@ -18,9 +20,7 @@ KNOBS = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant")
-@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
-    "open (session 31): the graph's second MTP draft differs from the eager one on CPU; unknown yet whether the "
-    "CPU stand-in (MLA's eager metadata re-run over graph buffers) or the chain step is wrong")))])
+@pytest.mark.parametrize("k", [1, 2])
 def test_mtp_drafts_from_graphs_as_eagerly(k, tiny_checkpoint, tmp_path, monkeypatch):
     import tests.spec_decode.test_draft_graphs as dg
 
