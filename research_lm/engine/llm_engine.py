@@ -349,7 +349,13 @@ class LLMEngine:
         scheduling cannot preempt; with a proposer, the scheduler's rules for a step ahead of verification too."""
         if not self.scheduler.has_unfinished_requests() or not self.runner.continues_on_device(step):
             return False
-        drafts_pending = self.runner.proposer is not None and (step.verifies or step.num_proposed)
+        proposer = self.runner.proposer
+        cap = step.sched.max_drafts
+        if step.verifies and cap is not None and cap < proposer.num_speculative_tokens:
+            # the next step verifies capped drafts (eagerly) and drafts at collect, from host counts this step's
+            # acceptance may still change (a negative entry length followed: session 31's failed adaptive steps)
+            return False
+        drafts_pending = proposer is not None and (step.verifies or step.num_proposed)
         return self.scheduler.can_schedule_ahead(step.sched if drafts_pending else None)
 
     def _launch(self) -> PendingStep:

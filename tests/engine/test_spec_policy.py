@@ -215,3 +215,25 @@ def test_a_cap_reaches_drafts_written_into_the_table_by_draft_graphs():
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert len(capped_in_table) >= 2 and max(capped_in_table) == 1
+
+
+def test_caps_changing_under_async_scheduling_fail_no_step():
+    """A verify step whose next step verifies capped drafts does not launch that step ahead: the capped step drafts
+    at collect, from host counts the verification may still change. Launched ahead, EAGLE-3's entry lengths went
+    negative and the step failed (recomputed, counted as failed steps: session 31's adaptive cells on the H200)."""
+    from research_lm.worker.cuda_graphs import eager_capture
+
+    knobs = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, num_gpu_blocks=120,
+                 max_model_len=64, max_num_seqs=4, attention_backend="triton", enable_prefix_caching=False)
+    prompts = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n", "class A:\n    pass\n",
+               "for i in range(10):\n"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 9, 14, 10)]
+    want = [o.outputs[0].token_ids for o in LLM("tiny-llama", **knobs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tiny-llama", **knobs, async_scheduling=True,
+              speculative_config={"method": "eagle3", "model": "tiny-llama-eagle3", "num_speculative_tokens": 4})
+    assert llm.engine.runner.capture_cuda_graphs([1, 2, 4], prefill_sizes=[], capture=eager_capture) is None
+    caps = iter([None, None, 2, None, 2, 1, 1, 2, 1, 0, 2, 1, 2, 0, 0, 2] * 10)
+    llm.engine.spec_policy.choose = lambda batch: next(caps)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.metrics.num_failed_steps == 0 and llm.engine.scheduler.num_preemptions == 0
