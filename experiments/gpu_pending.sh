@@ -114,6 +114,11 @@
 # tree table's batch 8 / 32 ran at a 128-token budget, since fixed). Next: on an H100 `skinny` and bench_decode_h100,
 # spec_transfer_8b_h100; then the reference training, spec_tree (--gpus 2), spec_mtp (train_reference_mtp.sh first:
 # it failed on transformers 5.17, fixed since), `tests`. Poll at once after `start`: the machine goes after 30 s idle.
+# Session 31 (one H200, 37d433f; PERFORMANCE.md thirtieth pass) trained both references side by side (~15 / ~18 min on
+# one GPU), ran the spec_decode / tree / graph GPU tests (29 passed) and spec_tree_h200 at T = 0; spec_mtp_h200 failed
+# at capture (fixed since, with MLA draft-graph metadata). Next: `tests`, spec_mtp_h200, spec_tree_h200 (the adaptive
+# cells: failed steps fixed since, CPU-checked by experiments/fuzz_spec_caps.py), spec_suffix_h200; then issue 31 on
+# an H100 (`skinny`, bench_decode_h100).
 set -euo pipefail
 case ${1:-tests} in
   tests)  # every GPU test: graphs, compile, async scheduling, the engine, the fused ops, the drafters, the zoo
