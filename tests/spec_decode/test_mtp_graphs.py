@@ -38,3 +38,28 @@ def test_mtp_drafts_from_graphs_as_eagerly(k, tiny_checkpoint, tmp_path, monkeyp
     got, proposals, _ = _run(llm, prompts, params)
     assert got == want
     assert proposals == want_proposals
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_graph_drafts_match_eager_on_cuda(k, tiny_checkpoint, tmp_path, monkeypatch):
+    """Real graphs (mla_triton, float32): MTP's graph drafts equal its eager drafts, and its greedy tokens plain
+    decoding's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import tests.spec_decode.test_draft_graphs as dg
+    from research_lm.worker.cuda_graphs import cuda_graph_capture
+
+    monkeypatch.setattr(dg, "K", k)
+    path = tmp_path / "target"
+    write_mtp_checkpoint(tiny_checkpoint("deepseek-v2"), path, own_embed_head=False, indexed=True, seed=11,
+                         first_k_dense_replace=3)
+    eager, llm = dg._pair(str(path), {"method": "mtp"}, "cuda", cuda_graph_capture)
+    prompts = [[3, 5, 7, 11, 13], [2, 4, 6, 8, 10, 12, 14, 16, 18], [9, 9, 9, 1, 2, 3, 4]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 7, 5)]
+    want, want_proposals, _ = _run(eager, prompts, params)
+    got, proposals, replays = _run(llm, prompts, params)
+    plain = LLM(str(path), device="cuda", **(dg.KNOBS | dict(mla_backend="mla_triton"))).generate(
+        prompts, params, use_tqdm=False)
+    assert got == want == [o.outputs[0].token_ids for o in plain]
+    assert dg._same_proposals(proposals, want_proposals) and replays
