@@ -260,7 +260,7 @@ def test_tensor_parallel_matches_single_process(tiny_checkpoint, tmp_path, world
     _check_tensor_parallel(tiny_checkpoint, tmp_path, world, "cpu", check_caches=_transformers_caches)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])  # (4 ranks: the Llama test's; 18 s of CI)
 def test_mamba2_and_bamba_match_single_process(tiny_checkpoint, tmp_path, world):
     _check_tensor_parallel(tiny_checkpoint, tmp_path, world, "cpu", _state_space_cases, _bamba_caches)
 
