@@ -201,8 +201,6 @@ def naive_prefill(
     common = metadata.common
     qsl, seq_lens = common.query_start_loc_cpu.tolist(), common.seq_lens_cpu.tolist()
     for i in metadata.prefill_reqs:
-        if qsl[i + 1] == qsl[i]:  # a padded request (a draft graph's rows re-run eagerly): nothing to attend
-            continue
         latent = gather_context(kv_cache, common.block_table[i], seq_lens[i])
         out[qsl[i] : qsl[i + 1]] = naive_mla(q[qsl[i] : qsl[i + 1]], latent, kv_b_weight, spec).to(out.dtype)
 

@@ -31,6 +31,7 @@ KNOBS = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens
 def run(seed: int, tree: str) -> str | None:
     """None when the run failed no step and gave plain greedy's tokens, else what went wrong."""
     from research_lm import LLM, SamplingParams
+    from research_lm.engine.spec_policy import AdaptivePolicy
     from research_lm.worker.cuda_graphs import eager_capture
 
     rng = random.Random(seed)
@@ -39,9 +40,8 @@ def run(seed: int, tree: str) -> str | None:
     llm = LLM("tiny-llama", **KNOBS, async_scheduling=True,
               speculative_config={"method": "eagle3", "model": "tiny-llama-eagle3", **TREES[tree]})
     assert llm.engine.runner.capture_cuda_graphs([1, 2, 4], prefill_sizes=[], capture=eager_capture) is None
-    caps: list[int | None] = []
-    k = llm.engine.runner.proposer.num_speculative_tokens  # (a tree's node count)
-    arms = [0, *(1 << i for i in range(k.bit_length()) if 1 << i < k), None]
+    caps: list[int] = []
+    arms = AdaptivePolicy(llm.engine.runner.proposer.num_speculative_tokens).arms  # the policy's own caps
     llm.engine.spec_policy.choose = lambda batch: caps.append(rng.choice(arms)) or caps[-1]
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     failed = llm.engine.metrics.num_failed_steps

@@ -2,8 +2,8 @@
 interpreter): the graph path must draft what the eager path drafts. Session 31 found three bugs here: the GPU capture
 of MTP's k = 1 graphs failed on a [n, 1] drafts buffer's column stride (tests/ops/test_step_inputs.py); the draft
 graphs built MLA's step metadata instead of its graph metadata, so a replay reused the capture's host-planned
-prefill / decode split (k = 2: the second draft differed); and that split sent a graph's padded rows into MLA's naive
-prefill with an empty context."""
+prefill / decode split (k = 2: the second draft differed; that split also sent a graph's padded rows into MLA's naive
+prefill with an empty context)."""
 
 from __future__ import annotations
 
